@@ -1,0 +1,27 @@
+"""Domain errors of kvsieve. The gRPC layer maps each to one status code."""
+
+
+class KVSieveError(Exception):
+    """Base class of every kvsieve error."""
+
+
+class InvalidInputError(KVSieveError, ValueError):
+    """A request argument is malformed; the message names the field and the allowed values.
+
+    Raised before anything is written, so stored data is never touched by bad input.
+    """
+
+
+class ChecksumError(KVSieveError):
+    """Stored bytes do not match their checksum or their header; the data is never returned."""
+
+
+class StoreFullError(KVSieveError):
+    """No room is left in a tier even after evicting every unpinned block."""
+
+
+class NotFoundError(KVSieveError, KeyError):
+    """A named object (lease, block) does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message.
+        return str(self.args[0]) if self.args else ""

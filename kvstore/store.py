@@ -1,0 +1,499 @@
+"""TieredStore: lookup / store / load of prefix KV over memory, disk and remote tiers.
+
+Bookkeeping (the radix tree, leases, selection) is kept apart from moving bytes
+(the tiers). The tree learns a block only after its data is durable in the slowest
+local tier, so a lookup never promises data that a crash could lose.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from importance.layout import budget_to_tokens, importance_order, select_chunks
+from kvstore.codec import ChunkId, decode_chunk, encode_chunk
+from kvstore.config import StoreConfig
+from kvstore.errors import ChecksumError, InvalidInputError, StoreFullError
+from kvstore.keys import ROOT_KEY, as_token_array, block_keys, namespace_digest
+from kvstore.leases import Lease, LeaseTable
+from kvstore.meta import BlockMeta
+from kvstore.model import ModelSpec
+from kvstore.stats import Counters, StoreStats
+from kvstore.tiers import Tier, TierFullError, create_tier
+from kvstore.tiers.memory import MemoryTier
+from radix import RadixTree
+
+Array = np.ndarray[Any, Any]
+DEFAULT_NAMESPACE = "default"
+
+
+class LookupResult(NamedTuple):
+    """Longest cached block-aligned prefix and where its blocks live."""
+
+    num_tokens: int
+    num_blocks: int
+    memory_blocks: int
+
+
+class StoreResult(NamedTuple):
+    """Outcome of `store`: cached prefix length afterwards and what was written."""
+
+    num_tokens: int
+    new_blocks: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class LoadedChunk:
+    """One chunk of a load: its tokens' original positions and their KV.
+
+    `kv` has shape (layers, 2, kv_heads, len(positions), head_dim) and may be a
+    read-only view of the memory tier: copy before mutating.
+    """
+
+    block_index: int
+    chunk_index: int
+    positions: Array
+    kv: Array
+    tier: str
+    nbytes: int
+
+
+class LoadStream:
+    """Iterator of `LoadedChunk`, fastest tier first, block by block.
+
+    Attributes (final once exhausted):
+        matched_tokens: prefix length the lookup promised.
+        num_tokens: prefix length actually delivered (shorter if a block was corrupt).
+        selected_tokens: tokens the budget selected.
+        delivered_tokens: tokens in the delivered chunks (>= selected within full chunks).
+        bytes_read: encoded bytes read from all tiers.
+    """
+
+    def __init__(self, matched_tokens: int, selected_tokens: int, token_bytes: int) -> None:
+        self.matched_tokens = matched_tokens
+        self.num_tokens = matched_tokens
+        self.selected_tokens = selected_tokens
+        self.delivered_tokens = 0
+        self.bytes_read = 0
+        self._token_bytes = token_bytes
+        self._source: Iterator[LoadedChunk] = iter(())
+
+    @property
+    def read_amplification(self) -> float:
+        """Bytes read / bytes of the selected tokens (1.0 when nothing was selected)."""
+        wanted = self.selected_tokens * self._token_bytes
+        return self.bytes_read / wanted if wanted else 1.0
+
+    def __iter__(self) -> Iterator[LoadedChunk]:
+        return self
+
+    def __next__(self) -> LoadedChunk:
+        return next(self._source)
+
+
+class TieredStore:
+    """Prefix KV over tiers; see module docstring. Thread-safe."""
+
+    def __init__(self, config: StoreConfig | None = None) -> None:
+        self.config = config or StoreConfig()
+        self.tree = RadixTree(self.config.block_tokens)
+        self.memory = MemoryTier(
+            self.config.memory_bytes,
+            is_pinned=self.tree.is_pinned,
+            pin_host_memory=self.config.pin_host_memory,
+        )
+        self.durable: list[Tier] = []
+        if self.config.lmdb_dir is not None:
+            self.durable.append(
+                create_tier(
+                    "lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes
+                )
+            )
+        if self.config.remote_url is not None:
+            self.durable.append(create_tier("redis", url=self.config.remote_url))
+        self.counters = Counters()
+        self.leases = LeaseTable(self.tree.pin, self.tree.unpin)
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self.orphans = self._rebuild_tree()
+
+    # -- public API ---------------------------------------------------------------
+
+    def lookup(
+        self, tokens: Sequence[int] | Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> LookupResult:
+        """Longest cached block-aligned prefix of `tokens`. Reads no data."""
+        toks = as_token_array(tokens)
+        match = self.tree.match(self._root(model, namespace), toks)
+        self.counters.add("lookups")
+        in_memory = sum(1 for n in match.nodes if self.memory.contains(n.key))
+        return LookupResult(match.num_tokens, len(match.nodes), in_memory)
+
+    def store(
+        self,
+        tokens: Sequence[int] | Array,
+        kv: Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        scores: Array | None = None,
+    ) -> StoreResult:
+        """Store the new full blocks of a prefix; blocks already cached are skipped.
+
+        Args:
+            tokens: token ids of the prefix.
+            kv: shape `model.kv_shape(len(tokens))`, dtype `model.dtype`.
+            scores: optional per-token importance (len(tokens),); each new block is
+                written in descending score order (online layout).
+
+        Raises:
+            InvalidInputError: bad tokens, shape, dtype or scores; nothing is written.
+            StoreFullError: the disk budget is exhausted by pinned blocks.
+        """
+        toks = as_token_array(tokens)
+        kv, scores = self._validate_kv(toks, kv, scores, model)
+        root = self._root(model, namespace)
+        keys = block_keys(toks, self.config.block_tokens, model.fingerprint, root[0])
+        with self._write_lock:
+            match = self.tree.match(root, toks, touch=False)
+            written = 0
+            held = [n.key for n in match.nodes]
+            self.tree.pin(held)  # the parent chain must survive eviction for this store
+            try:
+                for index in range(len(match.nodes), len(keys)):
+                    meta, chunks = self._encode_block(
+                        toks, kv, scores, keys, index, model, root, namespace
+                    )
+                    written += self._write_block(meta, chunks, model, root, toks)
+                    held.append(meta.key)
+                    self.tree.pin([meta.key])
+            finally:
+                self.tree.unpin(held)
+        new_blocks = len(keys) - len(match.nodes)
+        self.counters.add("stores")
+        self.counters.add("blocks_written", new_blocks)
+        return StoreResult(len(keys) * self.config.block_tokens, new_blocks, written)
+
+    def load(
+        self,
+        tokens: Sequence[int] | Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        budget: float = 1.0,
+        budget_tokens: int | None = None,
+    ) -> LoadStream:
+        """Stream the cached prefix of `tokens`, or its most important share.
+
+        Args:
+            budget: fraction of the matched prefix's tokens to select, in (0, 1].
+            budget_tokens: a token count instead of a fraction (overrides `budget`).
+
+        Each block's chunks are read and verified before any of them is yielded, so
+        a consumer never sees part of a corrupt block; a corrupt block ends the
+        stream there (`LoadStream.num_tokens` says how far it got).
+        """
+        toks = as_token_array(tokens)
+        _check_budget(budget, budget_tokens)
+        match = self.tree.match(self._root(model, namespace), toks)
+        metas: list[BlockMeta] = [n.payload for n in match.nodes]
+        wanted = (
+            budget_tokens
+            if budget_tokens is not None
+            else budget_to_tokens(budget, match.num_tokens)
+        )
+        selection = select_chunks(
+            [_slot_scores(m) for m in metas], wanted, self.config.chunk_tokens
+        )
+        stream = LoadStream(
+            match.num_tokens, sum(s.selected_tokens for s in selection), model.token_bytes
+        )
+        stream._source = self._stream_blocks(stream, metas, [s.chunks for s in selection])
+        self.counters.add("loads")
+        return stream
+
+    def load_arrays(self, tokens: Sequence[int] | Array, **kwargs: Any) -> tuple[int, Array, Array]:
+        """`load`, gathered: (prefix tokens covered, positions (n,), kv (L, 2, H, n, D))."""
+        stream = self.load(tokens, **kwargs)
+        chunks = list(stream)
+        if not chunks:
+            model: ModelSpec = kwargs["model"]
+            return (
+                stream.num_tokens,
+                np.zeros(0, np.int64),
+                np.zeros(model.kv_shape(0), model.np_dtype),
+            )
+        positions = np.concatenate([c.positions for c in chunks])
+        kv = np.concatenate([c.kv for c in chunks], axis=3)
+        return stream.num_tokens, positions, kv
+
+    def pin(
+        self,
+        tokens: Sequence[int] | Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        ttl_s: float = 60.0,
+    ) -> Lease:
+        """Pin the cached prefix of `tokens` for `ttl_s` seconds (a lease). Mutates."""
+        match = self.tree.match(self._root(model, namespace), as_token_array(tokens), touch=False)
+        return self.leases.grant([n.key for n in match.nodes], ttl_s)
+
+    def unpin(self, lease_id: str) -> None:
+        """Release a lease. Mutates. NotFoundError if it is unknown or expired."""
+        self.leases.release(lease_id)
+
+    def stats(self) -> StoreStats:
+        """Counters and occupancy of every tier."""
+        self.leases.sweep()
+        counters, samples = self.counters.snapshot()
+        counters["leases_expired"] = self.leases.expired_total
+        counters["evictions.memory"] = self.memory.evictions
+        tiers = {t.name: t.usage() for t in [self.memory, *self.durable]}
+        return StoreStats(counters, tiers, self.tree.num_blocks, len(self.leases), samples)
+
+    def close(self) -> None:
+        """Close every tier. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for tier in [self.memory, *self.durable]:
+                tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- store path ---------------------------------------------------------------
+
+    def _validate_kv(
+        self, toks: Array, kv: Array, scores: Array | None, model: ModelSpec
+    ) -> tuple[Array, Array | None]:
+        kv = np.asarray(kv)
+        if kv.shape != model.kv_shape(len(toks)):
+            raise InvalidInputError(
+                f"kv must have shape (layers, 2, kv_heads, tokens, head_dim) = "
+                f"{model.kv_shape(len(toks))} for {len(toks)} tokens of {model.name}, "
+                f"got {kv.shape}"
+            )
+        if kv.dtype != model.np_dtype:
+            raise InvalidInputError(
+                f"kv dtype must be {model.dtype} for {model.name}, got {kv.dtype}"
+            )
+        if scores is not None:
+            scores = np.asarray(scores, dtype=np.float32)
+            if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
+                raise InvalidInputError(
+                    f"scores must be {len(toks)} finite floats, got shape {scores.shape}"
+                )
+        return kv, scores
+
+    def _encode_block(
+        self, toks: Array, kv: Array, scores: Array | None, keys: list[bytes], index: int,
+        model: ModelSpec, root: tuple[bytes, bytes], namespace: str,
+    ) -> tuple[BlockMeta, list[bytes]]:  # fmt: skip
+        b, c = self.config.block_tokens, self.config.chunk_tokens
+        start = index * b
+        block_scores = None if scores is None else scores[start : start + b]
+        perm = importance_order(block_scores, b)
+        chunks = []
+        for chunk_index in range(b // c):
+            offsets = perm[chunk_index * c : (chunk_index + 1) * c]
+            cid = ChunkId(model.fingerprint, root[0], keys[index], 0, chunk_index)
+            data = kv[:, :, :, start + offsets, :]
+            chunks.append(
+                encode_chunk(
+                    cid,
+                    start + offsets,
+                    data,
+                    model.dtype,
+                    self.config.codec,
+                    self.config.zstd_level,
+                )
+            )
+        parent = keys[index - 1] if index else ROOT_KEY
+        meta = BlockMeta(
+            keys[index], parent, model.fingerprint, root[0], index, toks[start : start + b].copy(),
+            c, 0, perm, block_scores, sum(len(x) for x in chunks), time.time(), namespace,
+        )  # fmt: skip
+        return meta, chunks
+
+    def _write_block(
+        self,
+        meta: BlockMeta,
+        chunks: list[bytes],
+        model: ModelSpec,
+        root: tuple[bytes, bytes],
+        toks: Array,
+    ) -> int:
+        for tier in self.durable:
+            self._put_durable(tier, meta, chunks)
+            self.counters.add(f"bytes_written.{tier.name}", meta.nbytes)
+        memory_chunks = (
+            chunks if self.config.codec == "raw" else [_reencode_raw(x, model) for x in chunks]
+        )
+        try:
+            self.memory.put_block(meta, memory_chunks)
+            self.counters.add("bytes_written.memory", sum(len(x) for x in memory_chunks))
+        except TierFullError:
+            if not self.durable:
+                raise StoreFullError(
+                    "memory tier is full of pinned blocks and there is no disk tier"
+                ) from None
+        parent = None if meta.depth == 0 else meta.parent
+        b = self.config.block_tokens
+        self.tree.insert(
+            root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta
+        )
+        return meta.nbytes
+
+    def _put_durable(self, tier: Tier, meta: BlockMeta, chunks: list[bytes]) -> None:
+        usage = tier.usage()
+        if (
+            usage.capacity_bytes is not None
+            and usage.used_bytes + meta.nbytes > usage.capacity_bytes
+        ):
+            self._evict(usage.used_bytes + meta.nbytes - usage.capacity_bytes)
+        try:
+            tier.put_block(meta, chunks)
+        except TierFullError:
+            self._evict(max(meta.nbytes, (usage.capacity_bytes or 0) // 10))
+            try:
+                tier.put_block(meta, chunks)
+            except TierFullError as exc:
+                raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc
+
+    def _evict(self, num_bytes: int) -> None:
+        for node in self.tree.evict(num_bytes):
+            for tier in [self.memory, *self.durable]:
+                tier.delete_block(node.key)
+            self.counters.add("evictions.disk")
+
+    # -- load path ----------------------------------------------------------------
+
+    def _stream_blocks(
+        self, stream: LoadStream, metas: list[BlockMeta], wanted: list[list[int]]
+    ) -> Iterator[LoadedChunk]:
+        for block_index, (meta, chunk_indices) in enumerate(zip(metas, wanted, strict=True)):
+            try:
+                chunks = self._read_block(meta, block_index, chunk_indices)
+            except ChecksumError:
+                self.counters.add("checksum_failures")
+                self._forget(meta.key)
+                stream.num_tokens = block_index * self.config.block_tokens
+                break
+            if chunks is None:  # evicted from every tier behind our back
+                self.counters.add("chunk_misses")
+                self._forget(meta.key)
+                stream.num_tokens = block_index * self.config.block_tokens
+                break
+            for chunk in chunks:
+                stream.bytes_read += chunk.nbytes
+                stream.delivered_tokens += len(chunk.positions)
+                yield chunk
+        self.counters.add("bytes_selected", stream.selected_tokens * stream._token_bytes)
+        self.counters.sample_read_amplification(stream.read_amplification)
+
+    def _read_block(
+        self, meta: BlockMeta, block_index: int, indices: list[int]
+    ) -> list[LoadedChunk] | None:
+        found: dict[int, LoadedChunk] = {}
+        for index, data in zip(indices, self.memory.get_chunks(meta, indices), strict=True):
+            if data is not None:
+                found[index] = self._decode(
+                    meta, block_index, index, data, self.memory.name, trusted=True
+                )
+        for tier in self.durable:
+            missing = [i for i in indices if i not in found]
+            if not missing:
+                break
+            for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
+                if data is not None:
+                    found[index] = self._decode(
+                        meta, block_index, index, data, tier.name, trusted=False
+                    )
+                    self._promote(meta, index, found[index], data)
+        if len(found) < len(indices):
+            return None
+        return [found[i] for i in indices]
+
+    def _decode(
+        self,
+        meta: BlockMeta,
+        block_index: int,
+        index: int,
+        data: memoryview,
+        tier: str,
+        trusted: bool,
+    ) -> LoadedChunk:
+        expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+        decoded = decode_chunk(data, expect, trusted=trusted)
+        self.counters.add(f"chunk_hits.{tier}")
+        self.counters.add(f"bytes_read.{tier}", len(data))
+        return LoadedChunk(block_index, index, decoded.positions, decoded.kv, tier, len(data))
+
+    def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
+        if self.config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
+            cid = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+            data = memoryview(
+                encode_chunk(cid, chunk.positions, chunk.kv, _dtype_name(chunk.kv), "raw")
+            )
+        self.memory.put_chunk(meta, index, data)
+
+    def _forget(self, key: bytes) -> None:
+        for node in self.tree.remove(key):
+            self.memory.delete_block(node.key)
+
+    # -- start-up -----------------------------------------------------------------
+
+    def _root(self, model: ModelSpec, namespace: str) -> tuple[bytes, bytes]:
+        return (namespace_digest(namespace), model.fingerprint)
+
+    def _rebuild_tree(self) -> int:
+        """Learn every block on the local disk tier (a restarted store is warm). Returns orphans."""
+        if not self.durable or self.config.lmdb_dir is None:
+            return 0
+        metas = sorted(self.durable[0].iter_meta(), key=lambda m: (m.depth, m.created))
+        orphans = 0
+        for meta in metas:
+            parent = None if meta.depth == 0 else meta.parent
+            if (
+                parent is not None and self.tree.get(parent) is None
+            ) or meta.num_tokens != self.config.block_tokens:
+                orphans += 1
+                continue
+            self.tree.insert(
+                (meta.namespace, meta.fingerprint), parent, meta.tokens, meta.key, meta.nbytes, meta
+            )
+        return orphans
+
+
+def _check_budget(budget: float, budget_tokens: int | None) -> None:
+    if budget_tokens is not None:
+        if not isinstance(budget_tokens, int | np.integer) or budget_tokens < 1:
+            raise InvalidInputError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
+        return
+    if not isinstance(budget, int | float) or not 0.0 < float(budget) <= 1.0:
+        raise InvalidInputError(f"budget must be a fraction in (0, 1], got {budget!r}")
+
+
+def _slot_scores(meta: BlockMeta) -> Array:
+    if meta.scores is None:
+        return np.zeros(meta.num_tokens, dtype=np.float32)
+    return meta.scores[meta.permutation]
+
+
+def _dtype_name(kv: Array) -> str:
+    return "bfloat16" if kv.dtype.name == "bfloat16" else kv.dtype.name
+
+
+def _reencode_raw(data: bytes, model: ModelSpec) -> bytes:
+    decoded = decode_chunk(data)
+    return encode_chunk(decoded.chunk_id, decoded.positions, decoded.kv, model.dtype, "raw")

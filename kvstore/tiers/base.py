@@ -1,0 +1,76 @@
+"""The tier interface: where encoded chunks and block metadata live.
+
+A tier moves bytes; it does not decide what to keep. The store decides what to
+evict (from the radix tree's recency and pins) and calls `delete_block`.
+Every method is thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+from kvstore.errors import KVSieveError
+from kvstore.meta import BlockMeta
+
+
+class TierFullError(KVSieveError):
+    """The tier cannot take a block until something is deleted."""
+
+
+class TierUsage(NamedTuple):
+    """Occupancy of a tier, in bytes of encoded chunks (metadata excluded)."""
+
+    used_bytes: int
+    capacity_bytes: int | None
+    num_blocks: int
+    num_chunks: int
+
+
+class Tier(Protocol):
+    """One storage level: memory, LMDB disk or a remote Redis/Valkey."""
+
+    name: str
+
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+        """Store a block's encoded chunks and metadata, all or nothing. Mutates.
+
+        Replaces a block of the same key. Raises `TierFullError` when it does not fit.
+        """
+        ...
+
+    def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
+        """Encoded chunks `indices` of the block in `meta`'s layout; None where missing.
+
+        The buffers stay valid after the call (they are copies or immutable).
+        """
+        ...
+
+    def get_meta(self, key: bytes) -> BlockMeta | None:
+        """The metadata of a block, or None."""
+        ...
+
+    def contains(self, key: bytes) -> bool:
+        """Whether the block's metadata is held (its chunks may be partly evicted in memory)."""
+        ...
+
+    def delete_block(self, key: bytes) -> int:
+        """Delete a block's chunks and metadata. Mutates. Returns the bytes freed (0 if absent)."""
+        ...
+
+    def iter_meta(self) -> Iterator[BlockMeta]:
+        """Every block's metadata (a snapshot; order unspecified)."""
+        ...
+
+    def usage(self) -> TierUsage:
+        """Current occupancy."""
+        ...
+
+    def close(self) -> None:
+        """Release files and connections. Idempotent."""
+        ...
+
+
+def chunk_key(block_key: bytes, layout_version: int, chunk_index: int) -> bytes:
+    """Storage key of one chunk: block key, layout version, chunk index (big-endian, sortable)."""
+    return block_key + layout_version.to_bytes(4, "big") + chunk_index.to_bytes(2, "big")

@@ -1,0 +1,222 @@
+"""Block-aligned radix tree over token content.
+
+Every edge is exactly one block of `block_tokens` tokens, so matching and splitting
+happen only at block boundaries and a split never cuts a chunk. Compressing chains
+of single-child nodes would save nothing here: every block carries its own
+metadata (key, bytes, pins, recency) anyway. Children are keyed by the block's raw
+token bytes, so a match is exact and costs O(number of blocks) dict probes,
+independent of how many prefixes are stored.
+
+No gRPC, torch or model code is imported here; the tree knows nothing of tiers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+RootId = Hashable  # (namespace digest, model fingerprint) in kvstore
+
+
+@dataclass(eq=False)
+class Node:
+    """One block in the tree. Fields are read-only outside the tree.
+
+    Attributes:
+        key: caller's identity for the block (kvstore's block key).
+        parent: the previous block, or None for a child of a root.
+        depth: index of the block in its prefix.
+        nbytes: bytes the block occupies (used by `evict`).
+        payload: caller's data (kvstore keeps the block metadata here).
+        pins: active pins; a pinned node is never evicted.
+        access_count: matches that reached this block.
+        last_access: logical clock of the last match or insert (larger = more recent).
+    """
+
+    key: bytes
+    parent: Node | None
+    root: RootId
+    depth: int
+    nbytes: int
+    payload: Any = None
+    pins: int = 0
+    access_count: int = 0
+    last_access: int = 0
+    children: dict[bytes, Node] = field(default_factory=dict)
+    edge: bytes = b""
+
+
+class MatchResult(NamedTuple):
+    """Result of `RadixTree.match`: the matched blocks in prefix order."""
+
+    num_tokens: int
+    nodes: list[Node]
+
+
+class RadixTree:
+    """See module docstring. All methods are thread-safe."""
+
+    def __init__(self, block_tokens: int = 256) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self._roots: dict[RootId, dict[bytes, Node]] = {}
+        self._by_key: dict[bytes, Node] = {}
+        self._clock = itertools.count(1)
+        self._lock = threading.RLock()
+        self._bytes = 0
+
+    def match(self, root: RootId, tokens: np.ndarray[Any, Any], touch: bool = True) -> MatchResult:
+        """Longest block-aligned cached prefix of `tokens` (uint32 array).
+
+        Mutates access counts and recency of the matched blocks when `touch`.
+        """
+        nodes: list[Node] = []
+        with self._lock:
+            children = self._roots.get(root, {})
+            b = self.block_tokens
+            for start in range(0, len(tokens) - b + 1, b):
+                node = children.get(_edge(tokens[start : start + b]))
+                if node is None:
+                    break
+                nodes.append(node)
+                children = node.children
+            if touch:
+                now = next(self._clock)
+                for node in nodes:
+                    node.access_count += 1
+                    node.last_access = now
+        return MatchResult(len(nodes) * self.block_tokens, nodes)
+
+    def insert(
+        self,
+        root: RootId,
+        parent_key: bytes | None,
+        block: np.ndarray[Any, Any],
+        key: bytes,
+        nbytes: int,
+        payload: Any = None,
+    ) -> Node:
+        """Add one block under `parent_key` (None: first block). Mutates.
+
+        Returns the existing node if the block is already there (payload replaced).
+        Raises KeyError if the parent is unknown, ValueError if `block` is not one block.
+        """
+        if len(block) != self.block_tokens:
+            raise ValueError(f"a block has {self.block_tokens} tokens, got {len(block)}")
+        edge = _edge(block)
+        with self._lock:
+            parent = self._by_key[parent_key] if parent_key is not None else None
+            siblings = parent.children if parent else self._roots.setdefault(root, {})
+            node = siblings.get(edge)
+            if node is None:
+                depth = parent.depth + 1 if parent else 0
+                node = Node(key, parent, root, depth, nbytes, payload, edge=edge)
+                siblings[edge] = node
+                self._by_key[key] = node
+                self._bytes += nbytes
+            else:
+                self._bytes += nbytes - node.nbytes
+                node.nbytes, node.payload = nbytes, payload
+            node.last_access = next(self._clock)
+            return node
+
+    def get(self, key: bytes) -> Node | None:
+        """The node of a block key, or None."""
+        with self._lock:
+            return self._by_key.get(key)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Pin blocks so that `evict` never removes them. Mutates. KeyError if one is unknown."""
+        with self._lock:
+            nodes = [self._by_key[k] for k in keys]
+            for node in nodes:
+                node.pins += 1
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Undo one `pin` of each block. Mutates. Unknown keys (already removed) are skipped."""
+        with self._lock:
+            for key in keys:
+                node = self._by_key.get(key)
+                if node is not None and node.pins > 0:
+                    node.pins -= 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        """Whether the block is pinned."""
+        node = self._by_key.get(key)
+        return node is not None and node.pins > 0
+
+    def evict(self, num_bytes: int) -> list[Node]:
+        """Remove least recently used unpinned leaves until `num_bytes` are freed. Mutates.
+
+        A parent becomes a candidate once its last child is gone. Returns the removed
+        nodes in eviction order (possibly freeing less than asked if all else is pinned).
+        """
+        removed: list[Node] = []
+        freed = 0
+        with self._lock:
+            heap = [(n.last_access, n.depth, i, n) for i, n in enumerate(self._leaves())]
+            heapq.heapify(heap)
+            tiebreak = itertools.count(len(heap))
+            while heap and freed < num_bytes:
+                _, _, _, node = heapq.heappop(heap)
+                self._detach(node)
+                removed.append(node)
+                freed += node.nbytes
+                parent = node.parent
+                if parent is not None and not parent.children and parent.pins == 0:
+                    heapq.heappush(heap, (parent.last_access, parent.depth, next(tiebreak), parent))
+        return removed
+
+    def remove(self, key: bytes) -> list[Node]:
+        """Remove a block and every block below it (e.g. corrupt data). Mutates."""
+        with self._lock:
+            node = self._by_key.get(key)
+            if node is None:
+                return []
+            subtree = list(_walk(node))
+            for n in reversed(subtree):
+                self._detach(n)
+            return subtree
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node (a snapshot)."""
+        with self._lock:
+            return iter(list(self._by_key.values()))
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the tree."""
+        return len(self._by_key)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of `nbytes` over all blocks."""
+        return self._bytes
+
+    def _leaves(self) -> Iterator[Node]:
+        return (n for n in self._by_key.values() if not n.children and n.pins == 0)
+
+    def _detach(self, node: Node) -> None:
+        siblings = node.parent.children if node.parent else self._roots.get(node.root, {})
+        siblings.pop(node.edge, None)
+        if node.parent is None and not siblings:
+            self._roots.pop(node.root, None)
+        self._by_key.pop(node.key, None)
+        self._bytes -= node.nbytes
+
+
+def _edge(block: np.ndarray[Any, Any]) -> bytes:
+    return np.asarray(block, dtype="<u4").tobytes()
+
+
+def _walk(node: Node) -> Iterator[Node]:
+    yield node
+    for child in list(node.children.values()):
+        yield from _walk(child)

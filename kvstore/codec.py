@@ -107,15 +107,18 @@ def decode_chunk(
 ) -> DecodedChunk:
     """Verify and decode a chunk.
 
-    The returned KV never aliases `data`, except when `trusted` (chunks the memory
-    tier holds in immutable buffers): then the checksum is skipped and a raw payload
-    is returned as a read-only view, which is what makes memory loads memcpy-fast.
+    A raw payload is returned as a read-only view of `data` (no copy: that is what
+    makes loads memcpy-fast), so `data` must be an immutable buffer such as `bytes`;
+    a mutable one is copied first. `trusted` skips the checksum, for chunks the
+    memory tier holds in buffers it wrote itself.
 
     Raises:
         ChecksumError: bad magic, truncated, checksum mismatch, or an identity other
             than `expect` (so a reader never gets another block's data).
     """
     view = memoryview(data)
+    if not view.readonly:
+        view = memoryview(bytes(view))
     if len(view) < _HEADER.size + _CHECKSUM.size:
         raise ChecksumError(f"chunk truncated: {len(view)} bytes")
     body, tail = view[: -_CHECKSUM.size], view[-_CHECKSUM.size :]
@@ -143,7 +146,6 @@ def decode_chunk(
         raw = _decompress_unshuffle(payload, dtype.itemsize)
     else:
         raw = np.frombuffer(payload, dtype=np.uint8)
-        raw = raw if trusted else raw.copy()
     kv = raw.view(dtype).reshape(layers, 2, heads, num_tokens, head_dim)
     return DecodedChunk(chunk_id, codec, positions, kv)
 

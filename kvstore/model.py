@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -83,7 +84,7 @@ class ModelSpec:
         """numpy dtype of this model's KV."""
         return numpy_dtype(self.dtype)
 
-    @property
+    @cached_property
     def fingerprint(self) -> bytes:
         """16-byte blake2b digest of the canonical JSON of every field (see docs/keys.md)."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))

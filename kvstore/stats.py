@@ -43,6 +43,11 @@ class Counters:
         with self._lock:
             self._counts[name] += amount
 
+    def add_many(self, amounts: dict[str, int]) -> None:
+        """Increase several counters under one lock acquisition."""
+        with self._lock:
+            self._counts.update(amounts)
+
     def sample_read_amplification(self, value: float) -> None:
         """Record one load's read amplification (bytes read / bytes of selected tokens)."""
         with self._lock:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -26,7 +27,10 @@ from kvstore.model import ModelSpec
 from kvstore.stats import Counters, StoreStats
 from kvstore.tiers import Tier, TierFullError, create_tier
 from kvstore.tiers.memory import MemoryTier
-from radix import RadixTree
+
+if TYPE_CHECKING:
+    from kvstore.tiers.redis import RedisTier
+from radix import MatchResult, RadixTree
 
 Array = np.ndarray[Any, Any]
 DEFAULT_NAMESPACE = "default"
@@ -130,7 +134,7 @@ class TieredStore:
     ) -> LookupResult:
         """Longest cached block-aligned prefix of `tokens`. Reads no data."""
         toks = as_token_array(tokens)
-        match = self.tree.match(self._root(model, namespace), toks)
+        match = self._match(self._root(model, namespace), toks)
         self.counters.add("lookups")
         in_memory = sum(1 for n in match.nodes if self.memory.contains(n.key))
         return LookupResult(match.num_tokens, len(match.nodes), in_memory)
@@ -201,7 +205,7 @@ class TieredStore:
         """
         toks = as_token_array(tokens)
         _check_budget(budget, budget_tokens)
-        match = self.tree.match(self._root(model, namespace), toks)
+        match = self._match(self._root(model, namespace), toks)
         metas: list[BlockMeta] = [n.payload for n in match.nodes]
         wanted = (
             budget_tokens
@@ -361,6 +365,12 @@ class TieredStore:
             and usage.used_bytes + meta.nbytes > usage.capacity_bytes
         ):
             self._evict(usage.used_bytes + meta.nbytes - usage.capacity_bytes)
+            usage = tier.usage()
+            if usage.used_bytes + meta.nbytes > (usage.capacity_bytes or 0):
+                raise StoreFullError(
+                    f"{tier.name} tier budget of {usage.capacity_bytes} B is held by pinned blocks "
+                    f"({usage.used_bytes} B used, {meta.nbytes} B needed)"
+                )
         try:
             tier.put_block(meta, chunks)
         except TierFullError:
@@ -405,21 +415,19 @@ class TieredStore:
         self, meta: BlockMeta, block_index: int, indices: list[int]
     ) -> list[LoadedChunk] | None:
         found: dict[int, LoadedChunk] = {}
+        tally: Counter[str] = Counter()
         for index, data in zip(indices, self.memory.get_chunks(meta, indices), strict=True):
             if data is not None:
-                found[index] = self._decode(
-                    meta, block_index, index, data, self.memory.name, trusted=True
-                )
+                found[index] = self._decode(meta, block_index, index, data, self.memory.name, tally)
         for tier in self.durable:
             missing = [i for i in indices if i not in found]
             if not missing:
                 break
             for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
                 if data is not None:
-                    found[index] = self._decode(
-                        meta, block_index, index, data, tier.name, trusted=False
-                    )
+                    found[index] = self._decode(meta, block_index, index, data, tier.name, tally)
                     self._promote(meta, index, found[index], data)
+        self.counters.add_many(tally)
         if len(found) < len(indices):
             return None
         return [found[i] for i in indices]
@@ -431,12 +439,13 @@ class TieredStore:
         index: int,
         data: memoryview,
         tier: str,
-        trusted: bool,
+        tally: Counter[str],
     ) -> LoadedChunk:
         expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
-        decoded = decode_chunk(data, expect, trusted=trusted)
-        self.counters.add(f"chunk_hits.{tier}")
-        self.counters.add(f"bytes_read.{tier}", len(data))
+        # Memory holds chunks this process encoded in immutable buffers: skip the checksum.
+        decoded = decode_chunk(data, expect, trusted=tier == self.memory.name)
+        tally[f"chunk_hits.{tier}"] += 1
+        tally[f"bytes_read.{tier}"] += len(data)
         return LoadedChunk(block_index, index, decoded.positions, decoded.kv, tier, len(data))
 
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
@@ -452,6 +461,32 @@ class TieredStore:
             self.memory.delete_block(node.key)
 
     # -- start-up -----------------------------------------------------------------
+
+    def _match(self, root: tuple[bytes, bytes], toks: Array) -> MatchResult:
+        """Match locally; where the local tree ends, learn blocks other sidecars put remotely."""
+        match = self.tree.match(root, toks)
+        remote = self._remote()
+        if remote is None or len(toks) < match.num_tokens + self.config.block_tokens:
+            return match
+        keys = block_keys(toks, self.config.block_tokens, root[1], root[0])
+        learned = 0
+        wanted = keys[len(match.nodes) :]
+        for key, meta in zip(wanted, remote.get_metas(wanted), strict=True):
+            if meta is None or meta.key != key or meta.num_tokens != self.config.block_tokens:
+                break
+            parent = None if meta.depth == 0 else meta.parent
+            self.tree.insert(root, parent, meta.tokens, meta.key, meta.nbytes, meta)
+            learned += 1
+        if not learned:
+            return match
+        self.counters.add("blocks_learned.redis", learned)
+        return self.tree.match(root, toks)
+
+    def _remote(self) -> RedisTier | None:
+        for tier in self.durable:
+            if tier.name == "redis":
+                return cast("RedisTier", tier)
+        return None
 
     def _root(self, model: ModelSpec, namespace: str) -> tuple[bytes, bytes]:
         return (namespace_digest(namespace), model.fingerprint)

@@ -33,8 +33,20 @@ class LmdbTier:
 
     name = "lmdb"
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int | None = None,
+        initial_map_bytes: int = _UNBOUNDED_MAP_BYTES,
+    ) -> None:
+        """Open (or create) the environment under `path`.
+
+        Args:
+            capacity_bytes: byte budget of chunk data; the map is sized from it.
+                None = unbounded: the map starts at `initial_map_bytes` and doubles when full.
+        """
         self._path = Path(path)
+        self._initial_map = initial_map_bytes
         self._path.mkdir(parents=True, exist_ok=True)
         self._capacity = capacity_bytes
         self._growable = capacity_bytes is None
@@ -174,7 +186,7 @@ class LmdbTier:
             (self._path / "data.mdb").stat().st_size if (self._path / "data.mdb").exists() else 0
         )
         if self._capacity is None:
-            return max(_UNBOUNDED_MAP_BYTES, existing)
+            return max(self._initial_map, existing)
         return max(_MIN_MAP_BYTES, self._capacity * _MAP_OVERHEAD, existing)
 
     def _get_meta_raw(self, key: bytes) -> BlockMeta | None:

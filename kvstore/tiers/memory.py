@@ -118,7 +118,7 @@ class MemoryTier:
                 buf = self._chunks.get((meta.key, index)) if same_layout else None
                 if buf is not None:
                     self._policy.touch((meta.key, index), meta)
-                out.append(None if buf is None else memoryview(buf))
+                out.append(None if buf is None else buf.data)
         return out
 
     def get_meta(self, key: bytes) -> BlockMeta | None:

@@ -7,6 +7,7 @@ bounce buffer. Everything here degrades to numpy on a machine without CUDA.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,12 @@ import numpy as np
 
 @cache
 def cuda_available() -> bool:
-    """Whether torch is importable and sees a CUDA device (checked once per process)."""
+    """Whether torch is importable and sees a CUDA device (checked once per process).
+
+    Without an NVIDIA device node there is no CUDA, and importing torch (seconds) is skipped.
+    """
+    if not any(Path("/dev").glob("nvidia*")):
+        return False
     try:
         import torch
     except ImportError:
@@ -23,8 +29,13 @@ def cuda_available() -> bool:
 
 
 def host_buffer(data: bytes | memoryview, pinned: bool) -> np.ndarray[Any, Any]:
-    """A read-only uint8 copy of `data`, page-locked when `pinned` and CUDA exists."""
+    """`data` as a read-only uint8 array, page-locked when `pinned` and CUDA exists.
+
+    An immutable buffer (bytes) is kept without a copy unless it must be pinned.
+    """
     src = np.frombuffer(data, dtype=np.uint8)
+    if memoryview(data).readonly and not (pinned and cuda_available()):
+        return src
     if pinned and cuda_available():
         import torch
 

@@ -1,0 +1,1 @@
+"""System benchmarks (`kvsieve bench NAME`) and pytest-benchmark micro-benchmarks."""

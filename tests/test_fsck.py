@@ -1,0 +1,84 @@
+"""fsck finds flipped bytes and broken links; --repair removes them; the exit code tells."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import numpy as np
+from conftest import make_kv, make_tokens
+from test_store import corrupt_chunk
+
+from kvstore.config import StoreConfig
+from kvstore.fsck import fsck
+from kvstore.model import ModelSpec
+from kvstore.store import TieredStore
+
+
+def kvsieve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True
+    )
+
+
+def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:
+    tokens = make_tokens(96)
+    with TieredStore(config) as s:
+        s.store(tokens, make_kv(tiny, 96), model=tiny)
+        s.store(make_tokens(64, seed=5), make_kv(tiny, 64, 5), model=tiny)
+        return [
+            n.key
+            for n in s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes
+        ]
+
+
+def test_clean_store_is_clean(small_config: StoreConfig, tiny: ModelSpec) -> None:
+    filled(small_config, tiny)
+    report = fsck(small_config.data_dir)  # type: ignore[arg-type]
+    assert report.clean and report.exit_code == 0
+    assert (report.blocks_checked, report.chunks_checked) == (5, 20)
+    result = kvsieve("fsck", "--data-dir", str(small_config.data_dir))
+    assert result.returncode == 0 and "clean" in result.stdout
+
+
+def test_flipped_byte_is_reported_then_repaired(small_config: StoreConfig, tiny: ModelSpec) -> None:
+    keys = filled(small_config, tiny)
+    corrupt_chunk(small_config, keys[1], chunk_index=3)
+    result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 2
+    assert [(p["key"], p["kind"]) for p in report["problems"]] == [(keys[1].hex(), "bad-chunk")]
+    result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--repair")
+    assert (
+        result.returncode == 1 and "removed 2 blocks" in result.stdout
+    )  # the bad one and its child
+    assert fsck(small_config.data_dir).clean  # type: ignore[arg-type]
+    with TieredStore(small_config) as s:
+        assert s.lookup(make_tokens(96), model=tiny).num_tokens == 32
+        assert s.lookup(make_tokens(64, seed=5), model=tiny).num_tokens == 64
+
+
+def test_missing_parent_and_stray_chunks_are_found(
+    small_config: StoreConfig, tiny: ModelSpec
+) -> None:
+    keys = filled(small_config, tiny)
+    env = lmdb.open(str(small_config.lmdb_dir), max_dbs=4)
+    blocks = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        txn.delete(keys[0], db=blocks)  # its chunks stay behind, unreferenced
+    env.close()
+    report = fsck(small_config.data_dir)  # type: ignore[arg-type]
+    kinds = sorted({p.kind for p in report.problems})
+    assert kinds == ["orphan-block", "orphan-chunk"]
+    assert sum(p.kind == "orphan-chunk" for p in report.problems) == 4
+    repaired = fsck(small_config.data_dir, repair=True)  # type: ignore[arg-type]
+    assert repaired.blocks_removed == 2 and repaired.chunks_removed == 4
+    assert fsck(small_config.data_dir).clean  # type: ignore[arg-type]
+
+
+def test_fsck_of_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    result = kvsieve("fsck", "--data-dir", str(tmp_path / "nothing"))
+    assert result.returncode == 2 and "no kvsieve store" in result.stderr

@@ -1,0 +1,167 @@
+"""One contract suite over every tier: memory, LMDB on tmp_path, and a real Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.codec import ChunkId, encode_chunk
+from kvstore.meta import BlockMeta
+from kvstore.tiers import Tier, TierFullError, create_tier
+
+FP, NS = b"f" * 16, b"n" * 16
+
+
+def make_block(
+    key_byte: int, num_chunks: int = 4, chunk_tokens: int = 2, layout: int = 0
+) -> tuple[BlockMeta, list[bytes]]:
+    key = bytes([key_byte]) * 16
+    n = num_chunks * chunk_tokens
+    rng = np.random.default_rng(key_byte)
+    chunks = []
+    for i in range(num_chunks):
+        positions = np.arange(i * chunk_tokens, (i + 1) * chunk_tokens)
+        kv = rng.standard_normal((1, 2, 1, chunk_tokens, 4)).astype(np.float16)
+        chunks.append(encode_chunk(ChunkId(FP, NS, key, layout, i), positions, kv, "float16"))
+    meta = BlockMeta(
+        key, bytes(16), FP, NS, 0, np.arange(n, dtype=np.uint32), chunk_tokens, layout,
+        np.arange(n), None, sum(len(c) for c in chunks), time.time(), "ns",
+    )  # fmt: skip
+    return meta, chunks
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    if request.param == "memory":
+        t = create_tier("memory", capacity_bytes=1 << 20)
+    elif request.param == "lmdb":
+        t = create_tier("lmdb", path=tmp_path / "lmdb")
+    else:
+        url = request.getfixturevalue("redis_url")
+        t = create_tier("redis", url=url, prefix=f"test-{uuid.uuid4().hex}")
+    yield t
+    t.close()
+
+
+def test_put_then_get_returns_the_same_bytes(tier: Tier) -> None:
+    meta, chunks = make_block(1)
+    tier.put_block(meta, chunks)
+    got = tier.get_chunks(meta, [0, 1, 2, 3])
+    assert [bytes(g) for g in got if g is not None] == chunks
+
+
+def test_get_subset_and_missing(tier: Tier) -> None:
+    meta, chunks = make_block(2)
+    tier.put_block(meta, chunks)
+    got = tier.get_chunks(meta, [3, 1])
+    assert [bytes(g) if g else None for g in got] == [chunks[3], chunks[1]]
+    absent, _ = make_block(3)
+    assert tier.get_chunks(absent, [0]) == [None]
+
+
+def test_contains_meta_and_delete(tier: Tier) -> None:
+    meta, chunks = make_block(4)
+    assert not tier.contains(meta.key)
+    assert tier.get_meta(meta.key) is None
+    tier.put_block(meta, chunks)
+    assert tier.contains(meta.key)
+    stored = tier.get_meta(meta.key)
+    assert (
+        stored is not None
+        and stored.key == meta.key
+        and stored.tokens.tolist() == meta.tokens.tolist()
+    )
+    assert tier.delete_block(meta.key) == meta.nbytes
+    assert not tier.contains(meta.key)
+    assert tier.get_chunks(meta, [0]) == [None]
+    assert tier.delete_block(meta.key) == 0
+
+
+def test_usage_tracks_puts_and_deletes(tier: Tier) -> None:
+    a, ca = make_block(5)
+    b, cb = make_block(6, num_chunks=2)
+    tier.put_block(a, ca)
+    tier.put_block(b, cb)
+    usage = tier.usage()
+    assert (usage.used_bytes, usage.num_blocks, usage.num_chunks) == (a.nbytes + b.nbytes, 2, 6)
+    tier.delete_block(a.key)
+    usage = tier.usage()
+    assert (usage.used_bytes, usage.num_blocks, usage.num_chunks) == (b.nbytes, 1, 2)
+
+
+def test_replacing_a_block_does_not_double_count(tier: Tier) -> None:
+    meta, chunks = make_block(7)
+    tier.put_block(meta, chunks)
+    tier.put_block(meta, chunks)
+    assert tier.usage().used_bytes == meta.nbytes
+    assert tier.usage().num_blocks == 1
+
+
+def test_iter_meta_lists_every_block(tier: Tier) -> None:
+    for key_byte in (8, 9, 10):
+        tier.put_block(*make_block(key_byte))
+    assert sorted(m.key[0] for m in tier.iter_meta()) == [8, 9, 10]
+
+
+def test_other_layout_version_is_not_returned(tier: Tier) -> None:
+    meta, chunks = make_block(11, layout=0)
+    tier.put_block(meta, chunks)
+    newer, _ = make_block(11, layout=1)
+    assert tier.get_chunks(newer, [0]) == [None]
+
+
+def test_memory_tier_evicts_least_recently_used_chunks() -> None:
+    a, ca = make_block(12)
+    b, cb = make_block(13)
+    tier = create_tier("memory", capacity_bytes=a.nbytes + b.nbytes // 2)
+    tier.put_block(a, ca)
+    tier.get_chunks(a, [2, 3])  # chunks 2 and 3 of a become the most recent
+    tier.put_block(b, cb)
+    held = tier.get_chunks(a, [0, 1, 2, 3])
+    assert [h is not None for h in held] == [False, False, True, True]
+    assert all(c is not None for c in tier.get_chunks(b, [0, 1, 2, 3]))
+
+
+def test_memory_tier_keeps_pinned_blocks() -> None:
+    a, ca = make_block(14)
+    b, cb = make_block(15)
+    tier = create_tier("memory", capacity_bytes=a.nbytes + 10, is_pinned=lambda key: key == a.key)
+    tier.put_block(a, ca)
+    with pytest.raises(TierFullError):
+        tier.put_block(b, cb)
+    assert all(c is not None for c in tier.get_chunks(a, [0, 1, 2, 3]))
+
+
+def test_lmdb_block_survives_reopen(tmp_path: Path) -> None:
+    meta, chunks = make_block(16)
+    t = create_tier("lmdb", path=tmp_path / "l")
+    t.put_block(meta, chunks)
+    t.close()
+    t = create_tier("lmdb", path=tmp_path / "l")
+    assert t.usage().num_blocks == 1
+    assert [bytes(c) for c in t.get_chunks(meta, [0, 1, 2, 3]) if c] == chunks
+    t.close()
+
+
+def test_lmdb_map_grows_when_unbounded(tmp_path: Path) -> None:
+    t = create_tier("lmdb", path=tmp_path / "g", initial_map_bytes=8 << 20)
+    big = [bytes(5 << 20)]  # beyond the initial 8 MiB map after two puts
+    for i in range(4):
+        meta, _ = make_block(20 + i, num_chunks=1)
+        t.put_block(meta, big)
+    assert t.usage().num_blocks == 4
+    t.close()
+
+
+def test_lmdb_full_map_with_a_budget_is_a_clear_error(tmp_path: Path) -> None:
+    t = create_tier("lmdb", path=tmp_path / "f", capacity_bytes=1 << 20)  # 64 MiB map
+    meta, _ = make_block(30, num_chunks=1)
+    with pytest.raises(TierFullError, match="full"):
+        t.put_block(meta, [bytes(80 << 20)])
+    assert t.usage().num_blocks == 0
+    t.close()

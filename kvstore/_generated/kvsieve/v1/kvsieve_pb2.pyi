@@ -1,0 +1,250 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "num_layers", "num_kv_heads", "head_dim", "dtype", "rope", "weights_digest", "tokenizer_digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    rope: str
+    weights_digest: str
+    tokenizer_digest: str
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., rope: _Optional[str] = ..., weights_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
+
+class RequestContext(_message.Message):
+    __slots__ = ("namespace", "model")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model: ModelSpec
+    def __init__(self, namespace: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("ctx", "tokens")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_tokens", "num_blocks", "memory_blocks")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_blocks: int
+    memory_blocks: int
+    def __init__(self, num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_blocks: _Optional[int] = ...) -> None: ...
+
+class StoreHeader(_message.Message):
+    __slots__ = ("ctx", "tokens", "scores")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class KVSlice(_message.Message):
+    __slots__ = ("start_token", "num_tokens", "data")
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start_token: int
+    num_tokens: int
+    data: bytes
+    def __init__(self, start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("header", "slice")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    header: StoreHeader
+    slice: KVSlice
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., slice: _Optional[_Union[KVSlice, _Mapping]] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("num_tokens", "new_blocks", "bytes_written")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    new_blocks: int
+    bytes_written: int
+    def __init__(self, num_tokens: _Optional[int] = ..., new_blocks: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    budget: float
+    budget_tokens: int
+    shm_name: str
+    shm_bytes: int
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadHeader(_message.Message):
+    __slots__ = ("matched_tokens", "selected_tokens", "shm")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    selected_tokens: int
+    shm: bool
+    def __init__(self, matched_tokens: _Optional[int] = ..., selected_tokens: _Optional[int] = ..., shm: _Optional[bool] = ...) -> None: ...
+
+class ShmRef(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("block_index", "chunk_index", "positions", "data", "shm", "tier")
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    block_index: int
+    chunk_index: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    shm: ShmRef
+    tier: str
+    def __init__(self, block_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class LoadTrailer(_message.Message):
+    __slots__ = ("num_tokens", "bytes_read", "read_amplification", "delivered_tokens")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    READ_AMPLIFICATION_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    bytes_read: int
+    read_amplification: float
+    delivered_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_amplification: _Optional[float] = ..., delivered_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: LoadHeader
+    chunk: Chunk
+    trailer: LoadTrailer
+    def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[LoadTrailer, _Mapping]] = ...) -> None: ...
+
+class ReportScoresRequest(_message.Message):
+    __slots__ = ("ctx", "tokens", "scores", "source")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    source: str
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ReportScoresResponse(_message.Message):
+    __slots__ = ("blocks_updated",)
+    BLOCKS_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    blocks_updated: int
+    def __init__(self, blocks_updated: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("ctx", "tokens", "ttl_s")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("lease_id", "num_blocks", "ttl_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    num_blocks: int
+    ttl_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierUsage(_message.Message):
+    __slots__ = ("name", "used_bytes", "capacity_bytes", "num_blocks", "num_chunks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    num_blocks: int
+    num_chunks: int
+    def __init__(self, name: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("counters", "tiers", "num_blocks", "active_leases", "read_amplification")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    READ_AMPLIFICATION_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierUsage]
+    num_blocks: int
+    active_leases: int
+    read_amplification: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., read_amplification: _Optional[_Iterable[float]] = ...) -> None: ...

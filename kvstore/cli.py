@@ -8,6 +8,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvstore.cliflags import add_flags, overrides
+from kvstore.config import StoreConfig
+from kvstore.server.config import ServerConfig
+from kvstore.settings import build_config
+
 BENCHMARKS = ("store",)
 
 
@@ -32,6 +37,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser(
+        "serve",
+        help="run the gRPC sidecar (lookup, store, stream KV) over an embedded store",
+        description="Run the kvsieve sidecar. Settings come from, lowest first: defaults, the "
+        "[server] and [store] tables of --config, KVSIEVE_<FIELD> environment variables "
+        "(e.g. KVSIEVE_DATA_DIR), then these flags.",
+    )
+    p.add_argument("--config", type=Path, help="TOML file with [server] and [store] tables")
+    add_flags(p, ServerConfig, "server")
+    add_flags(p, StoreConfig, "store")
+    p.set_defaults(handler=_cmd_serve)
+
+    p = sub.add_parser(
+        "stats", help="print a store's figures: from a running sidecar or a data directory"
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
+    where.add_argument("--data-dir", type=Path, help="read a data directory directly (no server)")
+    p.add_argument("--token", help="bearer token, if the server requires one")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=_cmd_stats)
+
     p = sub.add_parser("fsck", help="verify every chunk checksum and the index of a data directory")
     p.add_argument("--data-dir", type=Path, required=True, help="the store's data directory")
     p.add_argument("--repair", action="store_true", help="remove bad blocks and their descendants")
@@ -44,6 +71,53 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.set_defaults(handler=_cmd_bench)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvstore.server.app import serve_forever
+
+    server_config = build_config(
+        ServerConfig, args.config, overrides=overrides(args, ServerConfig), section="server"
+    )
+    store_config = build_config(
+        StoreConfig, args.config, overrides=overrides(args, StoreConfig), section="store"
+    )
+    asyncio.run(serve_forever(server_config, store_config))
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    if args.target:
+        from kvstore.client import KVClient
+
+        with KVClient(args.target, token=args.token) as client:
+            stats = client.stats()
+    else:
+        from kvstore.store import TieredStore
+
+        if not (args.data_dir / "lmdb" / "data.mdb").exists():
+            raise FileNotFoundError(f"no kvsieve store under {args.data_dir}")
+        with TieredStore(StoreConfig(data_dir=args.data_dir)) as store:
+            stats = store.stats()
+    if args.json:
+        tiers = {name: usage._asdict() for name, usage in stats.tiers.items()}
+        print(json.dumps({**asdict(stats), "tiers": tiers}))
+        return 0
+    print(f"blocks {stats.num_blocks}   active leases {stats.active_leases}")
+    for name, usage in stats.tiers.items():
+        cap = f"{usage.capacity_bytes / 1e6:.1f} MB" if usage.capacity_bytes else "unbounded"
+        used = usage.used_bytes / 1e6
+        print(f"  tier {name:7} {used:10.1f} MB of {cap:>12}  {usage.num_blocks} blocks")
+    for key in sorted(stats.counters):
+        print(f"  {key:28} {stats.counters[key]}")
+    if stats.read_amplification:
+        amps = sorted(stats.read_amplification)
+        print(f"  read amplification p50 {amps[len(amps) // 2]:.3f}  max {amps[-1]:.3f}")
+    return 0
 
 
 def _cmd_fsck(args: argparse.Namespace) -> int:

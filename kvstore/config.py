@@ -23,6 +23,7 @@ class StoreConfig:
         zstd_level: zstd level for "shuffle-zstd" (1..19; level 1 compresses KV as well as 3).
         remote_url: redis:// or valkey URL of the shared remote tier; None = no remote tier.
         pin_host_memory: page-lock memory-tier buffers when CUDA is available.
+        score_half_life_reports: reported query scores halve in weight after this many reports.
     """
 
     data_dir: Path | None = None
@@ -34,6 +35,7 @@ class StoreConfig:
     zstd_level: int = 1
     remote_url: str | None = None
     pin_host_memory: bool = True
+    score_half_life_reports: float = 64.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:
@@ -51,6 +53,10 @@ class StoreConfig:
             raise InvalidInputError(f"codec must be one of {sorted(CODEC_IDS)}, got {self.codec!r}")
         if not 1 <= self.zstd_level <= 19:
             raise InvalidInputError(f"zstd_level must be in [1, 19], got {self.zstd_level}")
+        if self.score_half_life_reports <= 0:
+            raise InvalidInputError(
+                f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"
+            )
         if self.data_dir is None and self.remote_url is None and self.memory_bytes == 0:
             raise InvalidInputError(
                 "memory_bytes must be > 0 when there is no data_dir nor remote_url"

@@ -11,11 +11,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
+from importance.history import accumulate, decay_factor
 from importance.layout import budget_to_tokens, importance_order, select_chunks
 from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
@@ -135,7 +136,7 @@ class TieredStore:
         """Longest cached block-aligned prefix of `tokens`. Reads no data."""
         toks = as_token_array(tokens)
         match = self._match(self._root(model, namespace), toks)
-        self.counters.add("lookups")
+        self.counters.add_many({"lookups": 1, "lookup_hits": int(match.num_tokens > 0)})
         in_memory = sum(1 for n in match.nodes if self.memory.contains(n.key))
         return LookupResult(match.num_tokens, len(match.nodes), in_memory)
 
@@ -252,6 +253,40 @@ class TieredStore:
     def unpin(self, lease_id: str) -> None:
         """Release a lease. Mutates. NotFoundError if it is unknown or expired."""
         self.leases.release(lease_id)
+
+    def report_scores(
+        self,
+        tokens: Sequence[int] | Array,
+        scores: Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> int:
+        """Fold per-token importance (one float per token) into the cached blocks' scores.
+
+        Each block's scores become decay * old + reported (see importance.history);
+        the layout is untouched until re-layout. Mutates metadata in every tier.
+        Returns the number of blocks updated.
+        """
+        toks = as_token_array(tokens)
+        values = np.asarray(scores, dtype=np.float32)
+        if values.shape != (len(toks),) or not np.all(np.isfinite(values)):
+            raise InvalidInputError(
+                f"scores must be {len(toks)} finite floats, got shape {values.shape}"
+            )
+        match = self.tree.match(self._root(model, namespace), toks, touch=False)
+        decay = decay_factor(self.config.score_half_life_reports)
+        b = self.config.block_tokens
+        for i, node in enumerate(match.nodes):
+            meta: BlockMeta = node.payload
+            updated = replace(
+                meta, scores=accumulate(meta.scores, values[i * b : (i + 1) * b], decay)
+            )
+            for tier in [self.memory, *self.durable]:
+                tier.put_meta(updated)
+            node.payload = updated
+        self.counters.add("score_reports")
+        return len(match.nodes)
 
     def stats(self) -> StoreStats:
         """Counters and occupancy of every tier."""

@@ -39,6 +39,13 @@ class Tier(Protocol):
         """
         ...
 
+    def put_meta(self, meta: BlockMeta) -> bool:
+        """Replace the metadata of a held block (new scores); chunks untouched. Mutates.
+
+        Returns False, writing nothing, if the block is not held.
+        """
+        ...
+
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         """Encoded chunks `indices` of the block in `meta`'s layout; None where missing.
 

@@ -108,6 +108,17 @@ class LmdbTier:
                     txn.delete(chunk_key(old.key, old.layout_version, index), db=self._chunks_db)
             self._account(new.nbytes - old.nbytes, 0, 0)
 
+    def put_meta(self, meta: BlockMeta) -> bool:
+        with self._write_lock, self._env.begin(write=True, db=self._blocks_db) as txn:
+            current = txn.get(meta.key)
+            if (
+                current is None
+                or BlockMeta.from_bytes(current).layout_version != meta.layout_version
+            ):
+                return False
+            txn.put(meta.key, meta.to_bytes())
+            return True
+
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         out: list[memoryview | None] = []
         with self._env.begin(db=self._chunks_db) as txn:

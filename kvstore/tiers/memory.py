@@ -109,6 +109,14 @@ class MemoryTier:
             self._metas.setdefault(meta.key, meta)
             return True
 
+    def put_meta(self, meta: BlockMeta) -> bool:
+        with self._lock:
+            current = self._metas.get(meta.key)
+            if current is None or current.layout_version != meta.layout_version:
+                return False
+            self._metas[meta.key] = meta
+            return True
+
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         out: list[memoryview | None] = []
         with self._lock:

@@ -56,6 +56,10 @@ class RedisTier:
         except redis.RedisError as exc:
             raise RemoteUnavailableError(f"remote tier write failed: {exc}") from exc
 
+    def put_meta(self, meta: BlockMeta) -> bool:
+        # XX: only if the block is still there; the remote may have evicted it.
+        return bool(self._client.set(self._mkey(meta.key), meta.to_bytes(), xx=True, ex=self._ttl))
+
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         if not indices:
             return []

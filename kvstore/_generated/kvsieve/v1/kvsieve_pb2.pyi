@@ -90,6 +90,16 @@ class StoreResponse(_message.Message):
     bytes_written: int
     def __init__(self, num_tokens: _Optional[int] = ..., new_blocks: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
+class ReleaseSegmentRequest(_message.Message):
+    __slots__ = ("shm_name",)
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    def __init__(self, shm_name: _Optional[str] = ...) -> None: ...
+
+class ReleaseSegmentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class LoadRequest(_message.Message):
     __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes")
     CTX_FIELD_NUMBER: _ClassVar[int]

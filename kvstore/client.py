@@ -1,0 +1,400 @@
+"""KVClient: the gRPC client of the sidecar, with the same methods and result types
+as the embedded `TieredStore`, so callers switch between the two by configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore import shm
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
+from kvstore.errors import KVSieveError
+from kvstore.keys import as_token_array, validate_namespace
+from kvstore.leases import Lease
+from kvstore.model import ModelSpec
+from kvstore.stats import StoreStats
+from kvstore.store import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult
+from kvstore.transport import channel_options, is_loopback
+from kvstore.wire import ctx_to_pb, error_for, kv_bytes, stats_from_pb
+
+Array = np.ndarray[Any, Any]
+
+
+class RpcFailedError(KVSieveError):
+    """A call failed with a status that maps to no domain error (UNAVAILABLE, DEADLINE_EXCEEDED)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class KVClient:
+    """Remote `TieredStore` over gRPC. Thread-safe (one channel, many calls).
+
+    Args:
+        target: "HOST:PORT" or "unix:PATH" of a `kvsieve serve`.
+        token: bearer token, if the server requires one.
+        root_certificates: PEM CA bundle to use TLS.
+        use_shm: "auto" (shared memory when the server is on this host), True or False.
+        timeout_s: default deadline of every call.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        use_shm: bool | str = "auto",
+        timeout_s: float = 60.0,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        options = channel_options(max_message_bytes)
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._timeout = timeout_s
+        self._slice_bytes = max(1 << 20, max_message_bytes - (1 << 20))
+        self._shm = shm.available() and (
+            is_loopback(target) if use_shm == "auto" else bool(use_shm)
+        )
+        self._arenas = ArenaPool()
+
+    def lookup(
+        self, tokens: Sequence[int] | Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> LookupResult:
+        """See `TieredStore.lookup`."""
+        request = pb.LookupRequest(ctx=_ctx(model, namespace), tokens=_tokens(tokens))
+        reply = self._call(self._stub.Lookup, request)
+        return LookupResult(reply.num_tokens, reply.num_blocks, reply.memory_blocks)
+
+    def store(
+        self,
+        tokens: Sequence[int] | Array,
+        kv: Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        scores: Array | None = None,
+    ) -> StoreResult:
+        """See `TieredStore.store`. KV travels in slices below the message limit."""
+        toks = _tokens(tokens)
+        header = pb.StoreHeader(ctx=_ctx(model, namespace), tokens=toks)
+        if scores is not None:
+            header.scores.extend(np.asarray(scores, np.float32).tolist())
+        kv = np.asarray(kv)
+        if kv.ndim != 5:
+            from kvstore.errors import InvalidInputError
+
+            raise InvalidInputError(
+                f"kv must have shape (layers, 2, kv_heads, tokens, head_dim), got {kv.shape}"
+            )
+        step = max(1, self._slice_bytes // max(1, model.token_bytes))
+
+        def requests() -> Iterator[pb.StoreRequest]:
+            yield pb.StoreRequest(header=header)
+            for start in range(0, kv.shape[3], step):
+                part = kv[:, :, :, start : start + step]
+                yield pb.StoreRequest(
+                    slice=pb.KVSlice(
+                        start_token=start, num_tokens=part.shape[3], data=kv_bytes(part)
+                    )
+                )
+
+        reply = self._call(self._stub.Store, requests())
+        return StoreResult(reply.num_tokens, reply.new_blocks, reply.bytes_written)
+
+    def load(
+        self,
+        tokens: Sequence[int] | Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        budget: float = 1.0,
+        budget_tokens: int | None = None,
+    ) -> RemoteLoadStream:
+        """See `TieredStore.load`. Chunks arrive through shared memory when co-located."""
+        toks = _tokens(tokens)
+        request = pb.LoadRequest(
+            ctx=_ctx(model, namespace), tokens=toks, budget=budget, budget_tokens=budget_tokens or 0
+        )
+        self._release_orphans()
+        segment = (
+            self._arenas.take(len(toks) * model.token_bytes) if self._shm and len(toks) else None
+        )
+        if segment is not None:
+            request.shm_name, request.shm_bytes = segment.name, len(segment.buf)
+        try:
+            responses = self._stub.Load(request, timeout=self._timeout, metadata=self._metadata)
+            return RemoteLoadStream(responses, model, segment, self._arenas)
+        except BaseException:
+            if segment is not None:
+                self._arenas.discard(segment)
+            raise
+
+    def load_arrays(self, tokens: Sequence[int] | Array, **kwargs: Any) -> tuple[int, Array, Array]:
+        """See `TieredStore.load_arrays`."""
+        model: ModelSpec = kwargs["model"]
+        with self.load(tokens, **kwargs) as stream:
+            chunks = list(stream)
+            if not chunks:
+                empty = np.zeros(model.kv_shape(0), model.np_dtype)
+                return stream.num_tokens, np.zeros(0, np.int64), empty
+            positions = np.concatenate([c.positions for c in chunks])
+            return stream.num_tokens, positions, np.concatenate([c.kv for c in chunks], axis=3)
+
+    def report_scores(
+        self,
+        tokens: Sequence[int] | Array,
+        scores: Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> int:
+        """See `TieredStore.report_scores`."""
+        request = pb.ReportScoresRequest(
+            ctx=_ctx(model, namespace),
+            tokens=_tokens(tokens),
+            scores=np.asarray(scores, np.float32).tolist(),
+        )
+        return int(self._call(self._stub.ReportScores, request).blocks_updated)
+
+    def pin(
+        self,
+        tokens: Sequence[int] | Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        ttl_s: float = 60.0,
+    ) -> Lease:
+        """See `TieredStore.pin`. The lease's keys are not sent back: only their count."""
+        request = pb.PinRequest(ctx=_ctx(model, namespace), tokens=_tokens(tokens), ttl_s=ttl_s)
+        reply = self._call(self._stub.Pin, request)
+        return Lease(reply.lease_id, tuple(bytes(16) for _ in range(reply.num_blocks)), reply.ttl_s)
+
+    def unpin(self, lease_id: str) -> None:
+        """See `TieredStore.unpin`."""
+        self._call(self._stub.Unpin, pb.UnpinRequest(lease_id=lease_id))
+
+    def stats(self) -> StoreStats:
+        """See `TieredStore.stats`."""
+        return stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
+
+    def close(self) -> None:
+        """Release the shared-memory arenas and close the channel. Idempotent."""
+        for segment in self._arenas.drain():
+            self._release_segment(segment.name)
+        self._release_orphans()
+        self._channel.close()
+
+    def _release_orphans(self) -> None:
+        for name in self._arenas.take_orphans():
+            self._release_segment(name)
+
+    def _release_segment(self, name: str) -> None:
+        request = pb.ReleaseSegmentRequest(shm_name=name)
+        with contextlib.suppress(grpc.RpcError):
+            self._stub.ReleaseSegment(request, timeout=5, metadata=self._metadata)
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _domain_error(exc) from None
+
+
+class ArenaPool:
+    """The client's shared-memory arenas: reused across loads so their pages stay warm.
+
+    An arena is lent to one load at a time and comes back only when the caller
+    closes the stream (after which its chunk views must not be used). A stream
+    dropped without `close` leaves its arena to the caller's views and asks the
+    server to unmap it at the next call.
+    """
+
+    KEEP_FREE = 4
+    MIN_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._free: list[shm.Segment] = []
+        self._orphans: list[str] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> shm.Segment | None:
+        """A free arena of at least `nbytes`, or a new one (None if shm fails here)."""
+        with self._lock:
+            for i, segment in enumerate(self._free):
+                if len(segment.buf) >= nbytes:
+                    return self._free.pop(i)
+        try:
+            return shm.Segment.create(max(nbytes, self.MIN_BYTES))
+        except OSError:
+            return None
+
+    def give(self, segment: shm.Segment) -> None:
+        """Return an arena after its stream was closed."""
+        with self._lock:
+            if len(self._free) < self.KEEP_FREE:
+                self._free.append(segment)
+                return
+            self._orphans.append(segment.name)
+        segment.close()
+
+    def discard(self, segment: shm.Segment) -> None:
+        """Forget an arena the server could not use (or a failed call)."""
+        segment.unlink()
+        segment.close()
+
+    def orphan(self, name: str) -> None:
+        """An arena whose stream was garbage-collected unclosed: the server should unmap it."""
+        with self._lock:
+            self._orphans.append(name)
+
+    def take_orphans(self) -> list[str]:
+        """Names to release on the server."""
+        with self._lock:
+            names, self._orphans = self._orphans, []
+        return names
+
+    def drain(self) -> list[shm.Segment]:
+        """Every free arena, removed from the pool and unmapped."""
+        with self._lock:
+            free, self._free = self._free, []
+        for segment in free:
+            segment.close()
+        return free
+
+
+class RemoteLoadStream:
+    """Iterator of `LoadedChunk` from a Load call; attributes as `LoadStream`'s.
+
+    Use it as a context manager (or call `close`): closing hands the shared-memory
+    arena back for reuse, so chunk views must not be used after it.
+    """
+
+    def __init__(
+        self, responses: Any, model: ModelSpec, segment: shm.Segment | None, pool: ArenaPool
+    ) -> None:
+        self._responses = responses
+        self._model = model
+        self._segment = segment
+        self._pool = pool
+        self._finalizer = (
+            None if segment is None else weakref.finalize(self, pool.orphan, segment.name)
+        )
+        self._finished = False
+        self.matched_tokens = self.num_tokens = self.selected_tokens = 0
+        self.delivered_tokens = self.bytes_read = 0
+        self.read_amplification = 1.0
+        self._started = False
+
+    def __iter__(self) -> Iterator[LoadedChunk]:
+        return self
+
+    def __next__(self) -> LoadedChunk:
+        try:
+            while True:
+                response = next(self._responses)
+                part = response.WhichOneof("part")
+                if part == "chunk":
+                    return self._chunk(response.chunk)
+                if part == "header":
+                    self._header(response.header)
+                elif part == "trailer":
+                    self._trailer(response.trailer)
+        except grpc.RpcError as exc:
+            self._drop_arena()
+            raise _domain_error(exc) from None
+        except StopIteration:
+            self._finished = True
+            raise
+
+    def close(self) -> None:
+        """End the stream (cancelling it if unfinished) and hand the arena back. Idempotent."""
+        if not self._finished:
+            self._responses.cancel()
+            self._finished = True
+        if self._segment is not None:
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._pool.give(self._segment)
+            self._segment = None
+
+    def __enter__(self) -> RemoteLoadStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _header(self, header: pb.LoadHeader) -> None:
+        self.matched_tokens = self.num_tokens = header.matched_tokens
+        self.selected_tokens = header.selected_tokens
+        if self._segment is not None:
+            if header.shm:
+                self._segment.unlink()  # the server has it mapped: the name is no longer needed
+            else:
+                self._drop_arena()
+
+    def _trailer(self, trailer: pb.LoadTrailer) -> None:
+        self.num_tokens = trailer.num_tokens
+        self.bytes_read = trailer.bytes_read
+        self.read_amplification = trailer.read_amplification
+        self.delivered_tokens = trailer.delivered_tokens
+
+    def _chunk(self, chunk: pb.Chunk) -> LoadedChunk:
+        n = len(chunk.positions)
+        shape = self._model.kv_shape(n)
+        if chunk.HasField("shm") and self._segment is not None:
+            count = chunk.shm.length // self._model.itemsize
+            kv = np.frombuffer(
+                self._segment.buf, self._model.np_dtype, count, chunk.shm.offset
+            ).reshape(shape)
+            kv.flags.writeable = False
+            nbytes = chunk.shm.length
+        else:
+            kv = np.frombuffer(chunk.data, self._model.np_dtype).reshape(shape)
+            nbytes = len(chunk.data)
+        positions = np.fromiter(chunk.positions, np.int64, count=n)
+        return LoadedChunk(chunk.block_index, chunk.chunk_index, positions, kv, chunk.tier, nbytes)
+
+    def _drop_arena(self) -> None:
+        if self._segment is not None:
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._pool.discard(self._segment)  # unmaps once the caller drops its views
+            self._segment = None
+
+
+def _domain_error(exc: grpc.RpcError) -> Exception:
+    code, details = exc.code(), exc.details() or ""
+    try:
+        return error_for(code, details)
+    except LookupError:
+        return RpcFailedError(code, details)
+
+
+def _ctx(model: ModelSpec, namespace: str) -> pb.RequestContext:
+    validate_namespace(namespace)
+    return ctx_to_pb(model, namespace)
+
+
+def _tokens(tokens: Sequence[int] | Array) -> Array:
+    return as_token_array(tokens)

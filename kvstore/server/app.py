@@ -1,0 +1,127 @@
+"""`kvsieve serve`: the sidecar process around one TieredStore.
+
+grpc.aio server with the KVCache service, standard health checking and server
+reflection (so grpcurl works), message limits sized for chunks, a bound on
+concurrent calls, optional TLS, and a Prometheus endpoint. SIGTERM drains
+in-flight calls for `grace_s` seconds, then closes LMDB cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
+from kvstore.alloc import keep_large_buffers
+from kvstore.config import StoreConfig
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import Metrics
+from kvstore.server.servicer import KVCacheServicer
+from kvstore.store import TieredStore
+from kvstore.transport import channel_options
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+
+
+@dataclass
+class RunningServer:
+    """A started server: where it listens and how to stop it."""
+
+    server: grpc.aio.Server
+    store: TieredStore
+    address: str
+    metrics_address: str | None
+    health: health.HealthServicer
+    servicer: KVCacheServicer
+    _metrics_httpd: Any = None
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls, let in-flight ones finish for `grace_s`, then close the store."""
+        self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+        self.servicer.arenas.close()
+        self.store.close()
+
+
+async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServer:
+    """Open the store and start serving. The caller stops it with `RunningServer.stop`."""
+    store = TieredStore(store_config)
+    metrics = Metrics(store)
+    server = grpc.aio.server(
+        options=channel_options(config.max_message_bytes),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    servicer = KVCacheServicer(store, config, metrics)
+    pb_grpc.add_KVCacheServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    address = _bind(server, config)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    httpd, metrics_address = _start_metrics(config, metrics)
+    return RunningServer(server, store, address, metrics_address, health_servicer, servicer, httpd)
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:
+    if config.tls_cert is not None and config.tls_key is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
+        )
+        port = server.add_secure_port(config.listen, credentials)
+    else:
+        port = server.add_insecure_port(config.listen)
+    if config.listen.startswith("unix:"):
+        return config.listen
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    return f"{config.listen.rsplit(':', 1)[0]}:{port}"
+
+
+def _start_metrics(config: ServerConfig, metrics: Metrics) -> tuple[Any, str | None]:
+    if not config.metrics_listen:
+        return None, None
+    from prometheus_client import start_http_server
+
+    host, _, port = config.metrics_listen.rpartition(":")
+    httpd, _thread = start_http_server(
+        int(port), addr=host or "127.0.0.1", registry=metrics.registry
+    )
+    return httpd, f"http://{host or '127.0.0.1'}:{httpd.server_port}/metrics"
+
+
+async def serve_forever(config: ServerConfig, store_config: StoreConfig) -> None:
+    """Run until SIGTERM or SIGINT, then drain and close."""
+    keep_large_buffers()
+    running = await start(config, store_config)
+    print(
+        f"kvsieve serving on {running.address} (data: {store_config.data_dir or 'memory only'})",
+        flush=True,
+    )
+    if running.metrics_address:
+        print(f"metrics at {running.metrics_address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print(
+        f"draining in-flight calls for up to {config.grace_s:.0f} s ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    await running.stop(config.grace_s)
+    print("stopped; store closed cleanly", file=sys.stderr, flush=True)

@@ -1,0 +1,86 @@
+"""Prometheus metrics of the sidecar.
+
+Store counters are read from `TieredStore.stats()` at scrape time by a collector,
+so there is one set of books; only request-level figures (latency, read
+amplification, active streams) are recorded here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.store import TieredStore
+
+
+class StoreCollector:
+    """Exposes the store's counters and tier usage as Prometheus metrics."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._store.stats()
+        per_tier = {
+            "chunk_hits": CounterMetricFamily(
+                "kvsieve_chunk_hits", "Chunks read, by tier", labels=["tier"]
+            ),
+            "bytes_read": CounterMetricFamily(
+                "kvsieve_read_bytes", "Bytes read, by tier", labels=["tier"]
+            ),
+            "bytes_written": CounterMetricFamily(
+                "kvsieve_written_bytes", "Bytes written, by tier", labels=["tier"]
+            ),
+            "evictions": CounterMetricFamily(
+                "kvsieve_evictions", "Evictions, by tier", labels=["tier"]
+            ),
+        }
+        for name, value in stats.counters.items():
+            family, _, tier = name.partition(".")
+            if family in per_tier and tier:
+                per_tier[family].add_metric([tier], value)
+        yield from per_tier.values()
+        for name, help_text in (
+            ("lookups", "Lookup calls"), ("loads", "Load calls"), ("stores", "Store calls"),
+            ("chunk_misses", "Chunks absent from every tier"),
+            ("checksum_failures", "Chunks whose checksum or identity did not match"),
+            ("leases_expired", "Leases that expired unreleased"),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"kvsieve_{name}", help_text, value=stats.get(name))
+        hits, lookups = stats.get("lookup_hits"), stats.get("lookups")
+        yield CounterMetricFamily(
+            "kvsieve_lookup_hits", "Lookups that matched >= 1 block", value=hits
+        )
+        yield CounterMetricFamily(
+            "kvsieve_lookup_misses", "Lookups that matched nothing", value=lookups - hits
+        )
+        used = GaugeMetricFamily("kvsieve_tier_used_bytes", "Bytes held, by tier", labels=["tier"])
+        for tier, usage in stats.tiers.items():
+            used.add_metric([tier], usage.used_bytes)
+        yield used
+        yield GaugeMetricFamily(
+            "kvsieve_active_leases", "Leases in force", value=stats.active_leases
+        )
+        yield GaugeMetricFamily("kvsieve_blocks", "Blocks in the index", value=stats.num_blocks)
+
+
+class Metrics:
+    """Request-level metrics plus the store collector, in a registry of their own."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(store))
+        self.load_seconds = Histogram(
+            "kvsieve_load_seconds", "Load call latency", registry=self.registry,
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10),
+        )  # fmt: skip
+        self.read_amplification = Histogram(
+            "kvsieve_read_amplification", "Bytes read / bytes of the selected tokens, per load",
+            registry=self.registry, buckets=(1.0, 1.05, 1.1, 1.2, 1.5, 2, 3, 5, 10),
+        )  # fmt: skip
+        self.active_streams = Gauge(
+            "kvsieve_active_streams", "Store and Load streams in flight", registry=self.registry
+        )

@@ -1,0 +1,129 @@
+"""Conversions between protobuf messages and domain types, and the error -> status map.
+
+The one place that knows both worlds: the servicer and the client call these and
+nothing else touches message fields by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore.errors import ChecksumError, InvalidInputError, NotFoundError, StoreFullError
+from kvstore.model import ModelSpec
+from kvstore.stats import StoreStats
+from kvstore.tiers.base import TierUsage
+
+Array = np.ndarray[Any, Any]
+
+
+class PermissionDeniedError(Exception):
+    """The caller's token does not grant the namespace or lease it asked for."""
+
+
+class UnauthenticatedError(Exception):
+    """No valid bearer token."""
+
+
+# Domain errors -> gRPC status codes: the single mapping of the service.
+_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ChecksumError, grpc.StatusCode.DATA_LOSS),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code a domain error maps to (INTERNAL for anything unexpected)."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def error_for(code: grpc.StatusCode, details: str) -> Exception:
+    """Inverse of `status_for` on the client: the domain error for a status, or None."""
+    for cls, mapped in _STATUS:
+        if mapped == code and cls is not ValueError:
+            return cls(details)
+    raise LookupError(code)
+
+
+def model_to_pb(model: ModelSpec) -> pb.ModelSpec:
+    """ModelSpec -> message."""
+    return pb.ModelSpec(
+        name=model.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, dtype=model.dtype, rope=model.rope,
+        weights_digest=model.weights_digest, tokenizer_digest=model.tokenizer_digest,
+    )  # fmt: skip
+
+
+def model_from_pb(msg: pb.ModelSpec) -> ModelSpec:
+    """Message -> ModelSpec; InvalidInputError names a bad field."""
+    if not msg.name:
+        raise InvalidInputError("ctx.model is required (model.name is empty)")
+    return ModelSpec(
+        msg.name, msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype or "float16",
+        msg.rope, msg.weights_digest, msg.tokenizer_digest,
+    )  # fmt: skip
+
+
+def ctx_to_pb(model: ModelSpec, namespace: str) -> pb.RequestContext:
+    """Request context message."""
+    return pb.RequestContext(namespace=namespace, model=model_to_pb(model))
+
+
+def ctx_from_pb(msg: pb.RequestContext) -> tuple[ModelSpec, str]:
+    """(model, namespace) of a request; the empty namespace is "default"."""
+    return model_from_pb(msg.model), msg.namespace or "default"
+
+
+def tokens_from_pb(tokens: Any) -> Array:
+    """Repeated uint32 -> uint32 array (protobuf already guarantees the range)."""
+    return np.fromiter(tokens, dtype=np.uint32, count=len(tokens))
+
+
+def kv_bytes(kv: Array) -> bytes:
+    """Layer-major little-endian bytes of a KV array."""
+    return np.ascontiguousarray(kv).tobytes()
+
+
+def kv_from_bytes(data: bytes | memoryview, model: ModelSpec, num_tokens: int, field: str) -> Array:
+    """Bytes of `num_tokens` tokens -> KV array; InvalidInputError on a size mismatch."""
+    expected = num_tokens * model.token_bytes
+    if len(data) != expected:
+        raise InvalidInputError(
+            f"{field}: {len(data)} bytes for {num_tokens} tokens, expected {expected}"
+        )
+    return np.frombuffer(data, dtype=model.np_dtype).reshape(model.kv_shape(num_tokens))
+
+
+def stats_to_pb(stats: StoreStats) -> pb.StatsResponse:
+    """StoreStats -> message."""
+    tiers = [
+        pb.TierUsage(name=name, used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes or 0,
+                     num_blocks=u.num_blocks, num_chunks=u.num_chunks)
+        for name, u in stats.tiers.items()
+    ]  # fmt: skip
+    return pb.StatsResponse(
+        counters=stats.counters, tiers=tiers, num_blocks=stats.num_blocks,
+        active_leases=stats.active_leases, read_amplification=stats.read_amplification,
+    )  # fmt: skip
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
+    """Message -> StoreStats."""
+    tiers = {
+        t.name: TierUsage(t.used_bytes, t.capacity_bytes or None, t.num_blocks, t.num_chunks)
+        for t in msg.tiers
+    }
+    return StoreStats(
+        dict(msg.counters), tiers, msg.num_blocks, msg.active_leases, list(msg.read_amplification)
+    )

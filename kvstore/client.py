@@ -21,7 +21,7 @@ from kvstore.keys import as_token_array, validate_namespace
 from kvstore.leases import Lease
 from kvstore.model import ModelSpec
 from kvstore.stats import StoreStats
-from kvstore.store import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult
+from kvstore.store import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult, validate_kv
 from kvstore.transport import channel_options, is_loopback
 from kvstore.wire import ctx_to_pb, error_for, kv_bytes, stats_from_pb
 
@@ -91,16 +91,10 @@ class KVClient:
     ) -> StoreResult:
         """See `TieredStore.store`. KV travels in slices below the message limit."""
         toks = _tokens(tokens)
+        kv, scores = validate_kv(toks, kv, scores, model)  # fail before sending anything
         header = pb.StoreHeader(ctx=_ctx(model, namespace), tokens=toks)
         if scores is not None:
-            header.scores.extend(np.asarray(scores, np.float32).tolist())
-        kv = np.asarray(kv)
-        if kv.ndim != 5:
-            from kvstore.errors import InvalidInputError
-
-            raise InvalidInputError(
-                f"kv must have shape (layers, 2, kv_heads, tokens, head_dim), got {kv.shape}"
-            )
+            header.scores.extend(scores.tolist())
         step = max(1, self._slice_bytes // max(1, model.token_bytes))
 
         def requests() -> Iterator[pb.StoreRequest]:

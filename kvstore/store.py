@@ -162,7 +162,7 @@ class TieredStore:
             StoreFullError: the disk budget is exhausted by pinned blocks.
         """
         toks = as_token_array(tokens)
-        kv, scores = self._validate_kv(toks, kv, scores, model)
+        kv, scores = validate_kv(toks, kv, scores, model)
         root = self._root(model, namespace)
         keys = block_keys(toks, self.config.block_tokens, model.fingerprint, root[0])
         with self._write_lock:
@@ -311,28 +311,6 @@ class TieredStore:
         self.close()
 
     # -- store path ---------------------------------------------------------------
-
-    def _validate_kv(
-        self, toks: Array, kv: Array, scores: Array | None, model: ModelSpec
-    ) -> tuple[Array, Array | None]:
-        kv = np.asarray(kv)
-        if kv.shape != model.kv_shape(len(toks)):
-            raise InvalidInputError(
-                f"kv must have shape (layers, 2, kv_heads, tokens, head_dim) = "
-                f"{model.kv_shape(len(toks))} for {len(toks)} tokens of {model.name}, "
-                f"got {kv.shape}"
-            )
-        if kv.dtype != model.np_dtype:
-            raise InvalidInputError(
-                f"kv dtype must be {model.dtype} for {model.name}, got {kv.dtype}"
-            )
-        if scores is not None:
-            scores = np.asarray(scores, dtype=np.float32)
-            if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
-                raise InvalidInputError(
-                    f"scores must be {len(toks)} finite floats, got shape {scores.shape}"
-                )
-        return kv, scores
 
     def _encode_block(
         self, toks: Array, kv: Array, scores: Array | None, keys: list[bytes], index: int,
@@ -543,6 +521,27 @@ class TieredStore:
                 (meta.namespace, meta.fingerprint), parent, meta.tokens, meta.key, meta.nbytes, meta
             )
         return orphans
+
+
+def validate_kv(
+    toks: Array, kv: Array, scores: Array | None, model: ModelSpec
+) -> tuple[Array, Array | None]:
+    """Check KV and scores against the tokens and the model; InvalidInputError names the field."""
+    kv = np.asarray(kv)
+    if kv.shape != model.kv_shape(len(toks)):
+        raise InvalidInputError(
+            f"kv must have shape (layers, 2, kv_heads, tokens, head_dim) = "
+            f"{model.kv_shape(len(toks))} for {len(toks)} tokens of {model.name}, got {kv.shape}"
+        )
+    if kv.dtype != model.np_dtype:
+        raise InvalidInputError(f"kv dtype must be {model.dtype} for {model.name}, got {kv.dtype}")
+    if scores is not None:
+        scores = np.asarray(scores, dtype=np.float32)
+        if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
+            raise InvalidInputError(
+                f"scores must be {len(toks)} finite floats, got shape {scores.shape}"
+            )
+    return kv, scores
 
 
 def _check_budget(budget: float, budget_tokens: int | None) -> None:

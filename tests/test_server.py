@@ -1,0 +1,340 @@
+"""The sidecar over a real socket: contract parity with the embedded store, concurrency,
+crashes, auth, errors, shared memory, health, reflection and metrics."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import TINY, make_kv, make_tokens
+from sidecar import Sidecar
+
+from kvstore import shm
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
+from kvstore.client import KVClient, RpcFailedError
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidInputError, NotFoundError
+from kvstore.fsck import fsck
+from kvstore.store import TieredStore
+from kvstore.wire import PermissionDeniedError, UnauthenticatedError, ctx_to_pb
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    server = Sidecar(tmp_path_factory.mktemp("sidecar")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(params=["embedded", "grpc", "grpc-shm"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """The same API, embedded or remote; each test uses its own namespace."""
+    if request.param == "embedded":
+        config = StoreConfig(data_dir=tmp_path / "embedded", block_tokens=32, chunk_tokens=8)
+        with TieredStore(config) as store:
+            yield store
+    else:
+        server = request.getfixturevalue("sidecar")
+        with KVClient(server.address, use_shm=request.param == "grpc-shm") as client:
+            yield client
+
+
+@pytest.fixture
+def ns(request: pytest.FixtureRequest) -> str:
+    return request.node.name[:200]
+
+
+def test_contract_store_lookup_load(backend: Any, ns: str) -> None:
+    tokens, kv = make_tokens(100, seed=1), make_kv(TINY, 100, seed=1)
+    result = backend.store(tokens, kv, model=TINY, namespace=ns)
+    assert (result.num_tokens, result.new_blocks) == (96, 3)
+    assert backend.lookup(tokens, model=TINY, namespace=ns).num_tokens == 96
+    covered, positions, loaded = backend.load_arrays(tokens, model=TINY, namespace=ns)
+    assert covered == 96 and positions.tolist() == list(range(96))
+    assert loaded.tobytes() == kv[:, :, :, :96].tobytes()
+    assert backend.store(tokens, kv, model=TINY, namespace=ns).new_blocks == 0
+
+
+def test_contract_namespaces_isolate(backend: Any, ns: str) -> None:
+    tokens, kv = make_tokens(64, seed=2), make_kv(TINY, 64, seed=2)
+    backend.store(tokens, kv, model=TINY, namespace=ns)
+    assert backend.lookup(tokens, model=TINY, namespace=ns + "-other").num_tokens == 0
+    assert backend.load_arrays(tokens, model=TINY, namespace=ns + "-other")[0] == 0
+
+
+def test_contract_partial_budget(backend: Any, ns: str) -> None:
+    tokens, kv = make_tokens(64, seed=3), make_kv(TINY, 64, seed=3)
+    scores = np.linspace(0, 1, 64).astype(np.float32)
+    backend.store(tokens, kv, model=TINY, namespace=ns, scores=scores)
+    stream = backend.load(tokens, model=TINY, namespace=ns, budget=0.25)
+    chunks = list(stream)
+    assert stream.selected_tokens == 16
+    got = sorted(int(p) for c in chunks for p in c.positions)
+    assert got == list(range(48, 64))  # the highest scores sit at the end of block 1
+    for c in chunks:
+        assert c.kv.tobytes() == kv[:, :, :, c.positions].tobytes()
+    if hasattr(stream, "close"):
+        stream.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda b, ns: b.store(make_tokens(64), make_kv(TINY, 63), model=TINY, namespace=ns), "sha"),
+        (lambda b, ns: b.load(make_tokens(64), model=TINY, namespace=ns, budget=1.5), "budget"),
+        (lambda b, ns: b.lookup([-1, 2], model=TINY, namespace=ns), r"\[0, "),
+        (lambda b, ns: b.store(make_tokens(64), make_kv(TINY, 64).astype(np.float32), model=TINY,
+                               namespace=ns), "dtype|bytes"),
+    ],
+)  # fmt: skip
+def test_contract_bad_input_is_invalid_and_writes_nothing(
+    backend: Any, ns: str, call: Any, message: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        result = call(backend, ns)
+        list(result)  # a load raises when its stream is read
+    assert backend.lookup(make_tokens(64), model=TINY, namespace=ns).num_tokens == 0
+
+
+def test_contract_leases(backend: Any, ns: str) -> None:
+    tokens = make_tokens(64, seed=4)
+    backend.store(tokens, make_kv(TINY, 64, seed=4), model=TINY, namespace=ns)
+    lease = backend.pin(tokens, model=TINY, namespace=ns, ttl_s=30)
+    assert len(lease.keys) == 2
+    backend.unpin(lease.lease_id)
+    with pytest.raises(NotFoundError):
+        backend.unpin(lease.lease_id)
+
+
+def test_contract_report_scores_and_stats(backend: Any, ns: str) -> None:
+    tokens = make_tokens(64, seed=5)
+    backend.store(tokens, make_kv(TINY, 64, seed=5), model=TINY, namespace=ns)
+    assert backend.report_scores(tokens, np.ones(64, np.float32), model=TINY, namespace=ns) == 2
+    stats = backend.stats()
+    assert stats.get("score_reports") >= 1 and stats.num_blocks >= 2
+
+
+def test_eight_concurrent_clients_get_bit_exact_results(sidecar: Sidecar) -> None:
+    errors: list[BaseException] = []
+    shared_tokens, shared_kv = make_tokens(96, seed=50), make_kv(TINY, 96, seed=50)
+
+    def worker(i: int) -> None:
+        try:
+            with KVClient(sidecar.address, use_shm=i % 2 == 0) as client:
+                own_tokens, own_kv = make_tokens(96, seed=100 + i), make_kv(TINY, 96, seed=100 + i)
+                for _ in range(5):
+                    for tokens, kv in ((shared_tokens, shared_kv), (own_tokens, own_kv)):
+                        client.store(tokens, kv, model=TINY, namespace="concurrent")
+                        covered, _, loaded = client.load_arrays(
+                            tokens, model=TINY, namespace="concurrent"
+                        )
+                        assert covered == 96 and loaded.tobytes() == kv[:, :, :, :96].tobytes()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+def test_server_killed_mid_stream_gives_unavailable_and_restarts_clean(tmp_path: Path) -> None:
+    server = Sidecar(tmp_path / "data").start()
+    tokens = make_tokens(32 * 40, seed=9)
+    with KVClient(server.address, use_shm=False) as client:
+        client.store(tokens, make_kv(TINY, len(tokens), seed=9), model=TINY)
+        stream = client.load(tokens, model=TINY)
+        next(stream)
+        server.kill()
+        with pytest.raises(RpcFailedError) as info:
+            for _ in stream:
+                pass
+            client.lookup(tokens, model=TINY)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert fsck(tmp_path / "data").clean
+    server.start()
+    try:
+        with KVClient(server.address) as client:
+            assert client.lookup(tokens, model=TINY).num_tokens == len(tokens)
+    finally:
+        server.kill()
+
+
+def test_auth_tokens_and_namespace_grants(tmp_path: Path) -> None:
+    config = tmp_path / "kvsieve.toml"
+    config.write_text('[server]\nauth_tokens = { "secret-a" = ["a"], "admin" = ["*"] }\n')
+    server = Sidecar(tmp_path / "data", ["--config", str(config)]).start()
+    tokens, kv = make_tokens(32), make_kv(TINY, 32)
+    try:
+        with KVClient(server.address) as anonymous, pytest.raises(UnauthenticatedError):
+            anonymous.lookup(tokens, model=TINY, namespace="a")
+        with KVClient(server.address, token="wrong") as wrong, pytest.raises(UnauthenticatedError):
+            wrong.lookup(tokens, model=TINY, namespace="a")
+        with KVClient(server.address, token="secret-a") as tenant_a:
+            tenant_a.store(tokens, kv, model=TINY, namespace="a")
+            with pytest.raises(PermissionDeniedError):
+                tenant_a.lookup(tokens, model=TINY, namespace="b")
+            lease = tenant_a.pin(tokens, model=TINY, namespace="a")
+        with KVClient(server.address, token="admin") as admin:
+            assert admin.lookup(tokens, model=TINY, namespace="a").num_tokens == 32
+            assert admin.lookup(tokens, model=TINY, namespace="b").num_tokens == 0
+            admin.unpin(lease.lease_id)
+    finally:
+        server.kill()
+
+
+def test_non_loopback_without_auth_is_refused(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.cli",
+        "serve",
+        "--listen",
+        "0.0.0.0:0",
+        "--data-dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "without auth_tokens" in result.stderr
+
+
+def test_malformed_streams_are_rejected_and_the_server_keeps_serving(sidecar: Sidecar) -> None:
+    with grpc.insecure_channel(sidecar.address) as channel:
+        stub = pb_grpc.KVCacheStub(channel)
+        ctx = ctx_to_pb(TINY, "malformed")
+        tokens = make_tokens(64, seed=11)
+        header = pb.StoreRequest(header=pb.StoreHeader(ctx=ctx, tokens=tokens.tolist()))
+        half = make_kv(TINY, 32, seed=11).tobytes()
+        truncated = [
+            header,
+            pb.StoreRequest(slice=pb.KVSlice(start_token=0, num_tokens=32, data=half)),
+        ]
+        bad_order = [
+            header,
+            pb.StoreRequest(slice=pb.KVSlice(start_token=8, num_tokens=32, data=half)),
+        ]
+        no_header = [pb.StoreRequest(slice=pb.KVSlice(start_token=0, num_tokens=32, data=half))]
+        short = [header, pb.StoreRequest(slice=pb.KVSlice(start_token=0, num_tokens=64, data=half))]
+        for requests, text in ((truncated, "cover 32 of 64"), (bad_order, "start_token"),
+                               (no_header, "header"), (short, "bytes")):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Store(iter(requests), timeout=10)
+            assert (
+                info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and text in info.value.details()
+            )
+        oversized = [header, pb.StoreRequest(slice=pb.KVSlice(data=bytes(80 << 20)))]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Store(iter(oversized), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        missing_model = pb.LookupRequest(ctx=pb.RequestContext(namespace="x"), tokens=[1])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Lookup(missing_model, timeout=10)
+        assert (
+            info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "model" in info.value.details()
+        )
+    with KVClient(sidecar.address) as client:
+        assert client.lookup(tokens, model=TINY, namespace="malformed").num_tokens == 0
+        client.store(tokens, make_kv(TINY, 64, seed=11), model=TINY, namespace="malformed")
+        assert client.lookup(tokens, model=TINY, namespace="malformed").num_tokens == 64
+
+
+def test_deadline_is_honoured(sidecar: Sidecar) -> None:
+    with (
+        KVClient(sidecar.address, timeout_s=0.000001) as client,
+        pytest.raises(RpcFailedError) as info,
+    ):
+        client.lookup(make_tokens(64), model=TINY)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+def test_shared_memory_path_is_used_and_never_leaks(tmp_path: Path) -> None:
+    server = Sidecar(tmp_path / "data").start()
+    tokens, kv = make_tokens(32 * 20, seed=12), make_kv(TINY, 32 * 20, seed=12)
+    before = set(shm.leaked_segments())
+    try:
+        with KVClient(server.address, use_shm=True) as client:
+            client.store(tokens, kv, model=TINY)
+            with client.load(tokens, model=TINY) as stream:  # normal, arena reused afterwards
+                chunks = list(stream)
+                assert all(not c.kv.flags.writeable for c in chunks)  # views into the arena
+                assert b"".join(c.kv.tobytes() for c in chunks) == b"".join(
+                    kv[:, :, :, c.positions].tobytes() for c in chunks
+                )
+            assert (
+                set(shm.leaked_segments()) == before
+            )  # names are unlinked once both sides map them
+            stream = client.load(tokens, model=TINY)  # cancelled mid-stream
+            next(stream)
+            stream.close()
+            client.load_arrays(tokens, model=TINY)
+            abandoned = client.load(tokens, model=TINY)  # never closed
+            next(abandoned)
+            del abandoned
+        stream = KVClient(server.address, use_shm=True).load(tokens, model=TINY)
+        next(stream)
+        server.kill()  # the server dies holding a mapping
+        assert set(shm.leaked_segments()) == before
+    finally:
+        server.kill()
+
+
+def test_health_reflection_and_metrics(sidecar: Sidecar) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(sidecar.address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"kvsieve.v1.KVCache", "grpc.health.v1.Health"} <= services
+    with KVClient(sidecar.address) as client:
+        client.store(
+            make_tokens(32, seed=13), make_kv(TINY, 32, seed=13), model=TINY, namespace="m"
+        )
+        client.load_arrays(make_tokens(32, seed=13), model=TINY, namespace="m")
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    expected = (
+        "kvsieve_chunk_hits_total kvsieve_load_seconds_bucket kvsieve_read_amplification_bucket"
+        " kvsieve_checksum_failures_total kvsieve_active_leases kvsieve_active_streams"
+        " kvsieve_evictions_total kvsieve_written_bytes_total"
+    )
+    for name in expected.split():
+        assert name in body, name
+
+
+def test_sigterm_drains_and_closes_cleanly(tmp_path: Path) -> None:
+    server = Sidecar(tmp_path / "data").start()
+    with KVClient(server.address) as client:
+        client.store(make_tokens(64, seed=14), make_kv(TINY, 64, seed=14), model=TINY)
+    code, err = server.terminate()
+    assert code == 0 and "store closed cleanly" in err
+    assert fsck(tmp_path / "data").clean
+
+
+def test_stats_command_against_a_server(sidecar: Sidecar) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvstore.cli", "stats", "--target", sidecar.address, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+    figures = json.loads(out.stdout)
+    assert "lmdb" in figures["tiers"] and "counters" in figures

@@ -13,7 +13,7 @@ from kvstore.config import StoreConfig
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
 
-BENCHMARKS = ("store",)
+BENCHMARKS = ("store", "transfer")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ as the embedded `TieredStore`, so callers switch between the two by configuratio
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import weakref
@@ -21,7 +22,14 @@ from kvstore.keys import as_token_array, validate_namespace
 from kvstore.leases import Lease
 from kvstore.model import ModelSpec
 from kvstore.stats import StoreStats
-from kvstore.store import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult, validate_kv
+from kvstore.store import (
+    DEFAULT_NAMESPACE,
+    LoadedChunk,
+    LookupResult,
+    StoreResult,
+    gather_chunks,
+    validate_kv,
+)
 from kvstore.transport import channel_options, is_loopback
 from kvstore.wire import ctx_to_pb, error_for, kv_bytes, stats_from_pb
 
@@ -139,15 +147,10 @@ class KVClient:
             raise
 
     def load_arrays(self, tokens: Sequence[int] | Array, **kwargs: Any) -> tuple[int, Array, Array]:
-        """See `TieredStore.load_arrays`."""
-        model: ModelSpec = kwargs["model"]
+        """See `TieredStore.load_arrays`. The arrays are copies: they outlive the stream."""
         with self.load(tokens, **kwargs) as stream:
-            chunks = list(stream)
-            if not chunks:
-                empty = np.zeros(model.kv_shape(0), model.np_dtype)
-                return stream.num_tokens, np.zeros(0, np.int64), empty
-            positions = np.concatenate([c.positions for c in chunks])
-            return stream.num_tokens, positions, np.concatenate([c.kv for c in chunks], axis=3)
+            positions, kv = stream.gather(kwargs["model"])
+            return stream.num_tokens, positions, np.array(kv)
 
     def report_scores(
         self,
@@ -295,6 +298,9 @@ class RemoteLoadStream:
             None if segment is None else weakref.finalize(self, pool.orphan, segment.name)
         )
         self._finished = False
+        self._pending: collections.deque[LoadedChunk] = collections.deque()
+        self._dense: Array | None = None
+        self._dense_slots = 0  # tokens delivered through the arena, in slot order from 0
         self.matched_tokens = self.num_tokens = self.selected_tokens = 0
         self.delivered_tokens = self.bytes_read = 0
         self.read_amplification = 1.0
@@ -304,10 +310,15 @@ class RemoteLoadStream:
         return self
 
     def __next__(self) -> LoadedChunk:
+        if self._pending:
+            return self._pending.popleft()
         try:
             while True:
                 response = next(self._responses)
                 part = response.WhichOneof("part")
+                if part == "batch" and len(response.batch.chunks):
+                    self._pending.extend(self._chunk(c) for c in response.batch.chunks)
+                    return self._pending.popleft()
                 if part == "chunk":
                     return self._chunk(response.chunk)
                 if part == "header":
@@ -321,6 +332,19 @@ class RemoteLoadStream:
             self._finished = True
             raise
 
+    def gather(self, model: ModelSpec) -> tuple[Array, Array]:
+        """Read the rest of the stream into (positions (n,), kv (layers, 2, heads, n, dim)).
+
+        Through shared memory the KV is a read-only view of the arena, copied by
+        nobody (valid until `close`); otherwise the chunks are concatenated.
+        """
+        chunks = list(self)
+        slots = sum(len(c.positions) for c in chunks)
+        if self._dense is not None and chunks and self._dense_slots == slots:
+            positions = np.concatenate([c.positions for c in chunks])
+            return positions, self._dense[:, :, :, :slots]
+        return gather_chunks(chunks, model)
+
     def close(self) -> None:
         """End the stream (cancelling it if unfinished) and hand the arena back. Idempotent."""
         if not self._finished:
@@ -331,6 +355,7 @@ class RemoteLoadStream:
                 self._finalizer.detach()
             self._pool.give(self._segment)
             self._segment = None
+            self._dense = None
 
     def __enter__(self) -> RemoteLoadStream:
         return self
@@ -344,6 +369,8 @@ class RemoteLoadStream:
         if self._segment is not None:
             if header.shm:
                 self._segment.unlink()  # the server has it mapped: the name is no longer needed
+                self._dense = shm.dense_view(self._segment.buf, self._model)
+                self._dense.flags.writeable = False
             else:
                 self._drop_arena()
 
@@ -356,13 +383,10 @@ class RemoteLoadStream:
     def _chunk(self, chunk: pb.Chunk) -> LoadedChunk:
         n = len(chunk.positions)
         shape = self._model.kv_shape(n)
-        if chunk.HasField("shm") and self._segment is not None:
-            count = chunk.shm.length // self._model.itemsize
-            kv = np.frombuffer(
-                self._segment.buf, self._model.np_dtype, count, chunk.shm.offset
-            ).reshape(shape)
-            kv.flags.writeable = False
-            nbytes = chunk.shm.length
+        if chunk.HasField("shm") and self._dense is not None:
+            kv = self._dense[:, :, :, chunk.shm.slot : chunk.shm.slot + chunk.shm.num_tokens]
+            self._dense_slots += chunk.shm.num_tokens
+            nbytes = kv.nbytes
         else:
             kv = np.frombuffer(chunk.data, self._model.np_dtype).reshape(shape)
             nbytes = len(chunk.data)
@@ -375,6 +399,7 @@ class RemoteLoadStream:
                 self._finalizer.detach()
             self._pool.discard(self._segment)  # unmaps once the caller drops its views
             self._segment = None
+            self._dense = None
 
 
 def _domain_error(exc: grpc.RpcError) -> Exception:

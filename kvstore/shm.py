@@ -16,8 +16,12 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from kvstore.errors import InvalidInputError
+from kvstore.model import ModelSpec
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^kvsieve-[0-9]+-[0-9a-f]{16}$")
@@ -69,6 +73,13 @@ class Segment:
         """Unmap, unless numpy views still use the buffer (then the GC unmaps later)."""
         with contextlib.suppress(BufferError):
             self.buf.close()
+
+
+def dense_view(buf: mmap.mmap, model: ModelSpec) -> np.ndarray[Any, Any]:
+    """The arena as a KV array (layers, 2, kv_heads, capacity tokens, head_dim)."""
+    capacity = len(buf) // model.token_bytes
+    flat = np.frombuffer(buf, model.np_dtype, capacity * model.token_bytes // model.itemsize)
+    return flat.reshape(model.kv_shape(capacity))
 
 
 def leaked_segments() -> list[str]:

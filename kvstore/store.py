@@ -101,6 +101,16 @@ class LoadStream:
     def __next__(self) -> LoadedChunk:
         return next(self._source)
 
+    def gather(self, model: ModelSpec) -> tuple[Array, Array]:
+        """Read the rest of the stream into (positions (n,), kv (layers, 2, heads, n, dim))."""
+        return gather_chunks(list(self), model)
+
+    def __enter__(self) -> LoadStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._source = iter(())
+
 
 class TieredStore:
     """Prefix KV over tiers; see module docstring. Thread-safe."""
@@ -129,6 +139,11 @@ class TieredStore:
         self.orphans = self._rebuild_tree()
 
     # -- public API ---------------------------------------------------------------
+
+    @property
+    def local_only(self) -> bool:
+        """True when lookups never leave the process (no remote tier to probe)."""
+        return self._remote() is None
 
     def lookup(
         self, tokens: Sequence[int] | Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
@@ -226,16 +241,7 @@ class TieredStore:
     def load_arrays(self, tokens: Sequence[int] | Array, **kwargs: Any) -> tuple[int, Array, Array]:
         """`load`, gathered: (prefix tokens covered, positions (n,), kv (L, 2, H, n, D))."""
         stream = self.load(tokens, **kwargs)
-        chunks = list(stream)
-        if not chunks:
-            model: ModelSpec = kwargs["model"]
-            return (
-                stream.num_tokens,
-                np.zeros(0, np.int64),
-                np.zeros(model.kv_shape(0), model.np_dtype),
-            )
-        positions = np.concatenate([c.positions for c in chunks])
-        kv = np.concatenate([c.kv for c in chunks], axis=3)
+        positions, kv = stream.gather(kwargs["model"])
         return stream.num_tokens, positions, kv
 
     def pin(
@@ -521,6 +527,14 @@ class TieredStore:
                 (meta.namespace, meta.fingerprint), parent, meta.tokens, meta.key, meta.nbytes, meta
             )
         return orphans
+
+
+def gather_chunks(chunks: Sequence[LoadedChunk], model: ModelSpec) -> tuple[Array, Array]:
+    """Concatenate chunks into (positions, kv), in stream order."""
+    if not chunks:
+        return np.zeros(0, np.int64), np.zeros(model.kv_shape(0), model.np_dtype)
+    positions = np.concatenate([c.positions for c in chunks])
+    return positions, np.concatenate([c.kv for c in chunks], axis=3)
 
 
 def validate_kv(

@@ -13,8 +13,8 @@ import grpc
 import numpy as np
 import pytest
 from conftest import TINY, make_kv, make_tokens
-from sidecar import Sidecar
 
+from bench.sidecar import Sidecar
 from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc

@@ -18,11 +18,12 @@ from typing_extensions import override
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidInputError, NotFoundError
+from kvstore.model import ModelSpec
 from kvstore.server.arenas import ArenaCache
 from kvstore.server.auth import Authorizer
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
-from kvstore.shm import Segment
+from kvstore.shm import Segment, dense_view
 from kvstore.store import LoadedChunk, LoadStream, TieredStore
 from kvstore.wire import (
     ctx_from_pb,
@@ -32,7 +33,8 @@ from kvstore.wire import (
     tokens_from_pb,
 )
 
-_CHUNKS_PER_HOP = 8  # chunks prepared per worker-thread hop: amortises the hop, bounds latency
+# Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
+_CHUNKS_PER_MESSAGE = 16
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
@@ -51,9 +53,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         async with self._guard(context):
             model, namespace = self._authorised(context, request.ctx)
             tokens = tokens_from_pb(request.tokens)
-            result = await asyncio.to_thread(
-                self._store.lookup, tokens, model=model, namespace=namespace
-            )
+            if self._store.local_only:  # O(blocks) dict probes: cheaper than a thread hop
+                result = self._store.lookup(tokens, model=model, namespace=namespace)
+            else:
+                result = await asyncio.to_thread(
+                    self._store.lookup, tokens, model=model, namespace=namespace
+                )
             return pb.LookupResponse(
                 num_tokens=result.num_tokens,
                 num_blocks=result.num_blocks,
@@ -119,10 +124,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         shm=segment is not None,
                     )
                 )
-                writer = _ChunkWriter(stream, segment)
-                while batch := await asyncio.to_thread(writer.next_batch, _CHUNKS_PER_HOP):
-                    for message in batch:
-                        yield message
+                writer = _ChunkWriter(stream, segment, model)
+                limit = self._config.max_message_bytes // 2
+                while message := await asyncio.to_thread(
+                    writer.next_batch, _CHUNKS_PER_MESSAGE, limit
+                ):
+                    yield message
             finally:
                 if segment is not None:
                     self.arenas.done(request.shm_name)
@@ -244,36 +251,38 @@ class _Streaming:
 class _ChunkWriter:
     """Turns loaded chunks into messages in a worker thread, into shm when there is room."""
 
-    def __init__(self, stream: LoadStream, segment: Segment | None) -> None:
+    def __init__(self, stream: LoadStream, segment: Segment | None, model: ModelSpec) -> None:
         self._chunks: Iterator[LoadedChunk] = iter(stream)
-        self._segment = segment
-        self._offset = 0
+        self._dense = None if segment is None else dense_view(segment.buf, model)
+        self._slot = 0
 
-    def next_batch(self, size: int) -> list[pb.LoadResponse]:
-        out = []
+    def next_batch(self, max_chunks: int, max_bytes: int) -> pb.LoadResponse | None:
+        """One message with up to `max_chunks` chunks and about `max_bytes` inline bytes."""
+        response = pb.LoadResponse()
+        batch = response.batch
+        inline = 0
         for chunk in self._chunks:
-            response = pb.LoadResponse()
-            self._fill(response.chunk, chunk)  # in place: no copy of a finished sub-message
-            out.append(response)
-            if len(out) == size:
+            inline += self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
+            if len(batch.chunks) == max_chunks or inline >= max_bytes:
                 break
-        return out
+        return response if len(batch.chunks) else None
 
-    def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> None:
+    def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
+        """Fill `message`; returns the bytes placed inline (0 when they went to shm)."""
         message.block_index, message.chunk_index, message.tier = (
             chunk.block_index,
             chunk.chunk_index,
             chunk.tier,
         )
         message.positions.extend(chunk.positions.tolist())
-        nbytes = chunk.kv.nbytes
-        if self._segment is not None and self._offset + nbytes <= len(self._segment.buf):
-            view = np.frombuffer(self._segment.buf, np.uint8, nbytes, self._offset)
-            view[:] = np.ascontiguousarray(chunk.kv).reshape(-1).view(np.uint8)
-            message.shm.offset, message.shm.length = self._offset, nbytes
-            self._offset += nbytes
-        else:
-            message.data = np.ascontiguousarray(chunk.kv).tobytes()
+        n = len(chunk.positions)
+        if self._dense is not None and self._slot + n <= self._dense.shape[3]:
+            self._dense[:, :, :, self._slot : self._slot + n] = chunk.kv
+            message.shm.slot, message.shm.num_tokens = self._slot, n
+            self._slot += n
+            return 0
+        message.data = np.ascontiguousarray(chunk.kv).tobytes()
+        return int(chunk.kv.nbytes)
 
 
 def _place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, model: Any) -> int:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsieve/v1/kvsieve.proto\x12\nkvsieve.v1\"\xa4\x01\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04rope\x18\x06 \x01(\t\x12\x16\n\x0eweights_digest\x18\x07 \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x08 \x01(\t\"I\n\x0eRequestContext\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.kvsieve.v1.ModelSpec\"H\n\rLookupRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"O\n\x0eLookupResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rmemory_blocks\x18\x03 \x01(\r\"V\n\x0bStoreHeader\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06scores\x18\x03 \x03(\x02\"@\n\x07KVSlice\x12\x13\n\x0bstart_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"g\n\x0cStoreRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvsieve.v1.StoreHeaderH\x00\x12$\n\x05slice\x18\x02 \x01(\x0b\x32\x13.kvsieve.v1.KVSliceH\x00\x42\x06\n\x04part\"N\n\rStoreResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x12\n\nnew_blocks\x18\x02 \x01(\r\x12\x15\n\rbytes_written\x18\x03 \x01(\x04\")\n\x15ReleaseSegmentRequest\x12\x10\n\x08shm_name\x18\x01 \x01(\t\"\x18\n\x16ReleaseSegmentResponse\"\x92\x01\n\x0bLoadRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x02\x12\x15\n\rbudget_tokens\x18\x04 \x01(\r\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x11\n\tshm_bytes\x18\x06 \x01(\x04\"J\n\nLoadHeader\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\r\x12\x17\n\x0fselected_tokens\x18\x02 \x01(\r\x12\x0b\n\x03shm\x18\x03 \x01(\x08\"(\n\x06ShmRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\x81\x01\n\x05\x43hunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x1f\n\x03shm\x18\x05 \x01(\x0b\x32\x12.kvsieve.v1.ShmRef\x12\x0c\n\x04tier\x18\x06 \x01(\t\"k\n\x0bLoadTrailer\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x1a\n\x12read_amplification\x18\x03 \x01(\x01\x12\x18\n\x10\x64\x65livered_tokens\x18\x04 \x01(\r\"\x90\x01\n\x0cLoadResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvsieve.v1.LoadHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvsieve.v1.ChunkH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.kvsieve.v1.LoadTrailerH\x00\x42\x06\n\x04part\"n\n\x13ReportScoresRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06scores\x18\x03 \x03(\x02\x12\x0e\n\x06source\x18\x04 \x01(\t\".\n\x14ReportScoresResponse\x12\x16\n\x0e\x62locks_updated\x18\x01 \x01(\r\"T\n\nPinRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"B\n\x0bPinResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\" \n\x0cUnpinRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x0f\n\rUnpinResponse\"\x0e\n\x0cStatsRequest\"m\n\tTierUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x12\n\nnum_chunks\x18\x05 \x01(\x04\"\xe8\x01\n\rStatsResponse\x12\x39\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\'.kvsieve.v1.StatsResponse.CountersEntry\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.kvsieve.v1.TierUsage\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x15\n\ractive_leases\x18\x04 \x01(\r\x12\x1a\n\x12read_amplification\x18\x05 \x03(\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xa7\x04\n\x07KVCache\x12?\n\x06Lookup\x12\x19.kvsieve.v1.LookupRequest\x1a\x1a.kvsieve.v1.LookupResponse\x12>\n\x05Store\x12\x18.kvsieve.v1.StoreRequest\x1a\x19.kvsieve.v1.StoreResponse(\x01\x12;\n\x04Load\x12\x17.kvsieve.v1.LoadRequest\x1a\x18.kvsieve.v1.LoadResponse0\x01\x12Q\n\x0cReportScores\x12\x1f.kvsieve.v1.ReportScoresRequest\x1a .kvsieve.v1.ReportScoresResponse\x12\x36\n\x03Pin\x12\x16.kvsieve.v1.PinRequest\x1a\x17.kvsieve.v1.PinResponse\x12<\n\x05Unpin\x12\x18.kvsieve.v1.UnpinRequest\x1a\x19.kvsieve.v1.UnpinResponse\x12<\n\x05Stats\x12\x18.kvsieve.v1.StatsRequest\x1a\x19.kvsieve.v1.StatsResponse\x12W\n\x0eReleaseSegment\x12!.kvsieve.v1.ReleaseSegmentRequest\x1a\".kvsieve.v1.ReleaseSegmentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvsieve/v1/kvsieve.proto\x12\nkvsieve.v1\"\xa4\x01\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04rope\x18\x06 \x01(\t\x12\x16\n\x0eweights_digest\x18\x07 \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x08 \x01(\t\"I\n\x0eRequestContext\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.kvsieve.v1.ModelSpec\"H\n\rLookupRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"O\n\x0eLookupResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rmemory_blocks\x18\x03 \x01(\r\"V\n\x0bStoreHeader\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06scores\x18\x03 \x03(\x02\"@\n\x07KVSlice\x12\x13\n\x0bstart_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"g\n\x0cStoreRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvsieve.v1.StoreHeaderH\x00\x12$\n\x05slice\x18\x02 \x01(\x0b\x32\x13.kvsieve.v1.KVSliceH\x00\x42\x06\n\x04part\"N\n\rStoreResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x12\n\nnew_blocks\x18\x02 \x01(\r\x12\x15\n\rbytes_written\x18\x03 \x01(\x04\")\n\x15ReleaseSegmentRequest\x12\x10\n\x08shm_name\x18\x01 \x01(\t\"\x18\n\x16ReleaseSegmentResponse\"\x92\x01\n\x0bLoadRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x02\x12\x15\n\rbudget_tokens\x18\x04 \x01(\r\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x11\n\tshm_bytes\x18\x06 \x01(\x04\"J\n\nLoadHeader\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\r\x12\x17\n\x0fselected_tokens\x18\x02 \x01(\r\x12\x0b\n\x03shm\x18\x03 \x01(\x08\"*\n\x06ShmRef\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x81\x01\n\x05\x43hunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x1f\n\x03shm\x18\x05 \x01(\x0b\x32\x12.kvsieve.v1.ShmRef\x12\x0c\n\x04tier\x18\x06 \x01(\t\"/\n\nChunkBatch\x12!\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x11.kvsieve.v1.Chunk\"k\n\x0bLoadTrailer\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x1a\n\x12read_amplification\x18\x03 \x01(\x01\x12\x18\n\x10\x64\x65livered_tokens\x18\x04 \x01(\r\"\xb9\x01\n\x0cLoadResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvsieve.v1.LoadHeaderH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvsieve.v1.ChunkH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.kvsieve.v1.LoadTrailerH\x00\x12\'\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x16.kvsieve.v1.ChunkBatchH\x00\x42\x06\n\x04part\"n\n\x13ReportScoresRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06scores\x18\x03 \x03(\x02\x12\x0e\n\x06source\x18\x04 \x01(\t\".\n\x14ReportScoresResponse\x12\x16\n\x0e\x62locks_updated\x18\x01 \x01(\r\"T\n\nPinRequest\x12\'\n\x03\x63tx\x18\x01 \x01(\x0b\x32\x1a.kvsieve.v1.RequestContext\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"B\n\x0bPinResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\" \n\x0cUnpinRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x0f\n\rUnpinResponse\"\x0e\n\x0cStatsRequest\"m\n\tTierUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x12\n\nnum_chunks\x18\x05 \x01(\x04\"\xe8\x01\n\rStatsResponse\x12\x39\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\'.kvsieve.v1.StatsResponse.CountersEntry\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.kvsieve.v1.TierUsage\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x15\n\ractive_leases\x18\x04 \x01(\r\x12\x1a\n\x12read_amplification\x18\x05 \x03(\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xa7\x04\n\x07KVCache\x12?\n\x06Lookup\x12\x19.kvsieve.v1.LookupRequest\x1a\x1a.kvsieve.v1.LookupResponse\x12>\n\x05Store\x12\x18.kvsieve.v1.StoreRequest\x1a\x19.kvsieve.v1.StoreResponse(\x01\x12;\n\x04Load\x12\x17.kvsieve.v1.LoadRequest\x1a\x18.kvsieve.v1.LoadResponse0\x01\x12Q\n\x0cReportScores\x12\x1f.kvsieve.v1.ReportScoresRequest\x1a .kvsieve.v1.ReportScoresResponse\x12\x36\n\x03Pin\x12\x16.kvsieve.v1.PinRequest\x1a\x17.kvsieve.v1.PinResponse\x12<\n\x05Unpin\x12\x18.kvsieve.v1.UnpinRequest\x1a\x19.kvsieve.v1.UnpinResponse\x12<\n\x05Stats\x12\x18.kvsieve.v1.StatsRequest\x1a\x19.kvsieve.v1.StatsResponse\x12W\n\x0eReleaseSegment\x12!.kvsieve.v1.ReleaseSegmentRequest\x1a\".kvsieve.v1.ReleaseSegmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,33 +58,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADHEADER']._serialized_start=994
   _globals['_LOADHEADER']._serialized_end=1068
   _globals['_SHMREF']._serialized_start=1070
-  _globals['_SHMREF']._serialized_end=1110
-  _globals['_CHUNK']._serialized_start=1113
-  _globals['_CHUNK']._serialized_end=1242
-  _globals['_LOADTRAILER']._serialized_start=1244
-  _globals['_LOADTRAILER']._serialized_end=1351
-  _globals['_LOADRESPONSE']._serialized_start=1354
-  _globals['_LOADRESPONSE']._serialized_end=1498
-  _globals['_REPORTSCORESREQUEST']._serialized_start=1500
-  _globals['_REPORTSCORESREQUEST']._serialized_end=1610
-  _globals['_REPORTSCORESRESPONSE']._serialized_start=1612
-  _globals['_REPORTSCORESRESPONSE']._serialized_end=1658
-  _globals['_PINREQUEST']._serialized_start=1660
-  _globals['_PINREQUEST']._serialized_end=1744
-  _globals['_PINRESPONSE']._serialized_start=1746
-  _globals['_PINRESPONSE']._serialized_end=1812
-  _globals['_UNPINREQUEST']._serialized_start=1814
-  _globals['_UNPINREQUEST']._serialized_end=1846
-  _globals['_UNPINRESPONSE']._serialized_start=1848
-  _globals['_UNPINRESPONSE']._serialized_end=1863
-  _globals['_STATSREQUEST']._serialized_start=1865
-  _globals['_STATSREQUEST']._serialized_end=1879
-  _globals['_TIERUSAGE']._serialized_start=1881
-  _globals['_TIERUSAGE']._serialized_end=1990
-  _globals['_STATSRESPONSE']._serialized_start=1993
-  _globals['_STATSRESPONSE']._serialized_end=2225
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2178
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2225
-  _globals['_KVCACHE']._serialized_start=2228
-  _globals['_KVCACHE']._serialized_end=2779
+  _globals['_SHMREF']._serialized_end=1112
+  _globals['_CHUNK']._serialized_start=1115
+  _globals['_CHUNK']._serialized_end=1244
+  _globals['_CHUNKBATCH']._serialized_start=1246
+  _globals['_CHUNKBATCH']._serialized_end=1293
+  _globals['_LOADTRAILER']._serialized_start=1295
+  _globals['_LOADTRAILER']._serialized_end=1402
+  _globals['_LOADRESPONSE']._serialized_start=1405
+  _globals['_LOADRESPONSE']._serialized_end=1590
+  _globals['_REPORTSCORESREQUEST']._serialized_start=1592
+  _globals['_REPORTSCORESREQUEST']._serialized_end=1702
+  _globals['_REPORTSCORESRESPONSE']._serialized_start=1704
+  _globals['_REPORTSCORESRESPONSE']._serialized_end=1750
+  _globals['_PINREQUEST']._serialized_start=1752
+  _globals['_PINREQUEST']._serialized_end=1836
+  _globals['_PINRESPONSE']._serialized_start=1838
+  _globals['_PINRESPONSE']._serialized_end=1904
+  _globals['_UNPINREQUEST']._serialized_start=1906
+  _globals['_UNPINREQUEST']._serialized_end=1938
+  _globals['_UNPINRESPONSE']._serialized_start=1940
+  _globals['_UNPINRESPONSE']._serialized_end=1955
+  _globals['_STATSREQUEST']._serialized_start=1957
+  _globals['_STATSREQUEST']._serialized_end=1971
+  _globals['_TIERUSAGE']._serialized_start=1973
+  _globals['_TIERUSAGE']._serialized_end=2082
+  _globals['_STATSRESPONSE']._serialized_start=2085
+  _globals['_STATSRESPONSE']._serialized_end=2317
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2270
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2317
+  _globals['_KVCACHE']._serialized_start=2320
+  _globals['_KVCACHE']._serialized_end=2871
 # @@protoc_insertion_point(module_scope)

@@ -127,12 +127,12 @@ class LoadHeader(_message.Message):
     def __init__(self, matched_tokens: _Optional[int] = ..., selected_tokens: _Optional[int] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class ShmRef(_message.Message):
-    __slots__ = ("offset", "length")
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    offset: int
-    length: int
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    __slots__ = ("slot", "num_tokens")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    num_tokens: int
+    def __init__(self, slot: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("block_index", "chunk_index", "positions", "data", "shm", "tier")
@@ -150,6 +150,12 @@ class Chunk(_message.Message):
     tier: str
     def __init__(self, block_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
 
+class ChunkBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+
 class LoadTrailer(_message.Message):
     __slots__ = ("num_tokens", "bytes_read", "read_amplification", "delivered_tokens")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -163,14 +169,16 @@ class LoadTrailer(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_amplification: _Optional[float] = ..., delivered_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: LoadHeader
     chunk: Chunk
     trailer: LoadTrailer
-    def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[LoadTrailer, _Mapping]] = ...) -> None: ...
+    batch: ChunkBatch
+    def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[LoadTrailer, _Mapping]] = ..., batch: _Optional[_Union[ChunkBatch, _Mapping]] = ...) -> None: ...
 
 class ReportScoresRequest(_message.Message):
     __slots__ = ("ctx", "tokens", "scores", "source")

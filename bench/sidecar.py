@@ -1,4 +1,4 @@
-"""A real `kvsieve serve` process on free loopback ports, for tests."""
+"""A real `kvsieve serve` process on free loopback ports, for benchmarks and tests."""
 
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""`kvsieve bench transfer`: moving a 2,048-token SmolLM2-shaped prefix (47 MB) to a client.
+
+Measured in one run against a real `kvsieve serve` process on loopback:
+the gRPC stream, the shared-memory path, a plain loopback TCP socket sending the
+same bytes, and memcpy. Every path places the KV into a preallocated array, as
+an engine does. Lookup latency is taken with 8 concurrent clients.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.sidecar import Sidecar
+from bench.store_bench import SMOLLM2_SHAPE
+from kvstore.alloc import keep_large_buffers
+from kvstore.client import KVClient
+
+MODEL = SMOLLM2_SHAPE
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON object `kvsieve bench transfer --json` prints."""
+    keep_large_buffers()
+    num_tokens = 512 if quick else 2048
+    repeats = 3 if quick else 7
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 49152, num_tokens)
+    kv = rng.standard_normal(MODEL.kv_shape(num_tokens)).astype(np.float16)
+    out = np.empty_like(kv)
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+        server = _start_server(Path(tmp))
+        try:
+            result = _measure(server, tokens, kv, out, repeats, quick)
+        finally:
+            server.kill()
+    result["raw_tcp_mb_s"] = round(_tcp_mb_s(kv.nbytes, repeats), 1)
+    result["memcpy_mb_s"] = round(_memcpy_mb_s(kv, out, repeats), 1)
+    result["grpc_vs_tcp"] = round(result["grpc_stream_mb_s"] / result["raw_tcp_mb_s"], 3)
+    result["shm_vs_memcpy"] = round(result["shm_mb_s"] / result["memcpy_mb_s"], 3)
+    return {"prefix_tokens": num_tokens, "prefix_bytes": kv.nbytes, **result}
+
+
+def _start_server(data_dir: Path) -> Sidecar:
+    return Sidecar(data_dir, ["--metrics-listen", ""]).start()
+
+
+def _measure(
+    server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: bool
+) -> dict[str, Any]:
+    with (
+        KVClient(server.address, use_shm=False) as plain,
+        KVClient(server.address, use_shm=True) as shm,
+    ):
+        plain.store(tokens, kv, model=MODEL)
+        _load_into(plain, tokens, out)  # promote into the memory tier
+        if out.tobytes() != kv.tobytes():
+            raise RuntimeError("loaded KV differs from stored KV")
+        grpc_s = [_load_into(plain, tokens, out) for _ in range(repeats)]
+        shm_s = [_load_shared(shm, tokens, kv) for _ in range(repeats + 1)][
+            1:
+        ]  # 1st maps the arena
+        p50, p99 = _concurrent_lookups(server.address, tokens, 200 if quick else 1000)
+    return {
+        "grpc_stream_mb_s": round(kv.nbytes / statistics.median(grpc_s) / 1e6, 1),
+        "shm_mb_s": round(kv.nbytes / statistics.median(shm_s) / 1e6, 1),
+        "lookup_p50_us": round(p50, 1),
+        "lookup_p99_us": round(p99, 1),
+        "lookup_clients": 8,
+    }
+
+
+def _load_into(client: KVClient, tokens: Any, out: Any) -> float:
+    """Seconds to load the prefix and place every chunk at its positions in `out`."""
+    t0 = time.perf_counter()
+    with client.load(tokens, model=MODEL) as stream:
+        for chunk in stream:
+            lo = int(chunk.positions[0])
+            out[:, :, :, lo : lo + len(chunk.positions)] = chunk.kv
+    return time.perf_counter() - t0
+
+
+def _load_shared(client: KVClient, tokens: Any, expected: Any) -> float:
+    """Seconds until the whole prefix lies in the client's arena as one (L, 2, H, T, D) array.
+
+    The server writes each chunk straight into its final place in the arena, so
+    the array is ready with no copy on the client: the arena is the preallocated
+    destination that the other paths copy into.
+    """
+    t0 = time.perf_counter()
+    with client.load(tokens, model=MODEL) as stream:
+        positions, kv = stream.gather(MODEL)
+        elapsed = time.perf_counter() - t0
+        if positions.tolist() != list(range(len(tokens))) or kv.tobytes() != expected.tobytes():
+            raise RuntimeError("shared-memory load differs from stored KV")
+    return elapsed
+
+
+def _concurrent_lookups(address: str, tokens: Any, per_client: int) -> tuple[float, float]:
+    samples: list[float] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        local = []
+        with KVClient(address) as client:
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                client.lookup(tokens, model=MODEL)
+                local.append((time.perf_counter() - t0) * 1e6)
+        with lock:
+            samples.extend(local)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    samples.sort()
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+
+
+def _tcp_mb_s(nbytes: int, repeats: int) -> float:
+    """A plain loopback socket: one thread sends `nbytes`, the caller receives into a buffer."""
+    payload = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def sender() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(repeats):
+                conn.sendall(payload)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    buf = memoryview(bytearray(nbytes))
+    times = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            got = 0
+            while got < nbytes:
+                got += sock.recv_into(buf[got:], nbytes - got)
+            times.append(time.perf_counter() - t0)
+    thread.join()
+    server.close()
+    return nbytes / statistics.median(times) / 1e6
+
+
+def _memcpy_mb_s(src: Any, dst: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return float(src.nbytes / statistics.median(times) / 1e6)

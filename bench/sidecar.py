@@ -46,9 +46,7 @@ class Sidecar:
         ]
         cmd += ["--block-tokens", "32", "--chunk-tokens", "8", *self.args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_")}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.wait_healthy()
         return self
 

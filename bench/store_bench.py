@@ -71,9 +71,7 @@ def _disk_and_memory(tmp: Path, n: int, rng: np.random.Generator, repeats: int) 
     }
 
 
-def _timed_load(
-    store: TieredStore, tokens: np.ndarray[Any, Any], out: np.ndarray[Any, Any]
-) -> float:
+def _timed_load(store: TieredStore, tokens: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> float:
     """Seconds to load a prefix and place every chunk at its tokens' positions in `out`."""
     t0 = time.perf_counter()
     stream = store.load(tokens, model=SMOLLM2_SHAPE)

@@ -52,9 +52,7 @@ def _start_server(data_dir: Path) -> Sidecar:
     return Sidecar(data_dir, ["--metrics-listen", ""]).start()
 
 
-def _measure(
-    server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: bool
-) -> dict[str, Any]:
+def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: bool) -> dict[str, Any]:
     with (
         KVClient(server.address, use_shm=False) as plain,
         KVClient(server.address, use_shm=True) as shm,
@@ -64,9 +62,7 @@ def _measure(
         if out.tobytes() != kv.tobytes():
             raise RuntimeError("loaded KV differs from stored KV")
         grpc_s = [_load_into(plain, tokens, out) for _ in range(repeats)]
-        shm_s = [_load_shared(shm, tokens, kv) for _ in range(repeats + 1)][
-            1:
-        ]  # 1st maps the arena
+        shm_s = [_load_shared(shm, tokens, kv) for _ in range(repeats + 1)][1:]  # 1st maps the arena
         p50, p99 = _concurrent_lookups(server.address, tokens, 200 if quick else 1000)
     return {
         "grpc_stream_mb_s": round(kv.nbytes / statistics.median(grpc_s) / 1e6, 1),

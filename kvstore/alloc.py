@@ -17,9 +17,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
-def keep_large_buffers(
-    mmap_threshold_bytes: int = 256 << 20, trim_threshold_bytes: int = 1 << 30
-) -> bool:
+def keep_large_buffers(mmap_threshold_bytes: int = 256 << 20, trim_threshold_bytes: int = 1 << 30) -> bool:
     """Raise glibc's mmap and trim thresholds in this process. False where not glibc."""
     name = ctypes.util.find_library("c")
     if name is None:

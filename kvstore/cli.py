@@ -49,9 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     add_flags(p, StoreConfig, "store")
     p.set_defaults(handler=_cmd_serve)
 
-    p = sub.add_parser(
-        "stats", help="print a store's figures: from a running sidecar or a data directory"
-    )
+    p = sub.add_parser("stats", help="print a store's figures: from a running sidecar or a data directory")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--target", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
     where.add_argument("--data-dir", type=Path, help="read a data directory directly (no server)")

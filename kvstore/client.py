@@ -75,9 +75,7 @@ class KVClient:
         self._metadata = [("authorization", f"Bearer {token}")] if token else []
         self._timeout = timeout_s
         self._slice_bytes = max(1 << 20, max_message_bytes - (1 << 20))
-        self._shm = shm.available() and (
-            is_loopback(target) if use_shm == "auto" else bool(use_shm)
-        )
+        self._shm = shm.available() and (is_loopback(target) if use_shm == "auto" else bool(use_shm))
         self._arenas = ArenaPool()
 
     def lookup(
@@ -96,11 +94,12 @@ class KVClient:
         model: ModelSpec,
         namespace: str = DEFAULT_NAMESPACE,
         scores: Array | None = None,
+        kv_start: int = 0,
     ) -> StoreResult:
         """See `TieredStore.store`. KV travels in slices below the message limit."""
         toks = _tokens(tokens)
-        kv, scores = validate_kv(toks, kv, scores, model)  # fail before sending anything
-        header = pb.StoreHeader(ctx=_ctx(model, namespace), tokens=toks)
+        kv, scores = validate_kv(toks[kv_start:], kv, scores, model)  # fail before sending
+        header = pb.StoreHeader(ctx=_ctx(model, namespace), tokens=toks, kv_start=kv_start)
         if scores is not None:
             header.scores.extend(scores.tolist())
         step = max(1, self._slice_bytes // max(1, model.token_bytes))
@@ -111,7 +110,7 @@ class KVClient:
                 part = kv[:, :, :, start : start + step]
                 yield pb.StoreRequest(
                     slice=pb.KVSlice(
-                        start_token=start, num_tokens=part.shape[3], data=kv_bytes(part)
+                        start_token=kv_start + start, num_tokens=part.shape[3], data=kv_bytes(part)
                     )
                 )
 
@@ -133,9 +132,7 @@ class KVClient:
             ctx=_ctx(model, namespace), tokens=toks, budget=budget, budget_tokens=budget_tokens or 0
         )
         self._release_orphans()
-        segment = (
-            self._arenas.take(len(toks) * model.token_bytes) if self._shm and len(toks) else None
-        )
+        segment = self._arenas.take(len(toks) * model.token_bytes) if self._shm and len(toks) else None
         if segment is not None:
             request.shm_name, request.shm_bytes = segment.name, len(segment.buf)
         try:
@@ -294,9 +291,7 @@ class RemoteLoadStream:
         self._model = model
         self._segment = segment
         self._pool = pool
-        self._finalizer = (
-            None if segment is None else weakref.finalize(self, pool.orphan, segment.name)
-        )
+        self._finalizer = None if segment is None else weakref.finalize(self, pool.orphan, segment.name)
         self._finished = False
         self._pending: collections.deque[LoadedChunk] = collections.deque()
         self._dense: Array | None = None

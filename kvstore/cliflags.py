@@ -42,9 +42,7 @@ def add_flags(
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if hints[f.name] is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             group.add_argument(flag, default=None, metavar=f.name.upper(), help=help_text)
 

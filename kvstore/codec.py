@@ -77,18 +77,12 @@ def encode_chunk(
     if codec not in CODEC_IDS:
         raise InvalidInputError(f"codec must be one of {sorted(CODEC_IDS)}, got {codec!r}")
     if kv.ndim != 5 or kv.shape[1] != 2:
-        raise InvalidInputError(
-            f"chunk kv must have shape (layers, 2, heads, tokens, dim), got {kv.shape}"
-        )
+        raise InvalidInputError(f"chunk kv must have shape (layers, 2, heads, tokens, dim), got {kv.shape}")
     layers, _, heads, num_tokens, head_dim = kv.shape
     if len(positions) != num_tokens:
         raise InvalidInputError(f"positions has {len(positions)} entries for {num_tokens} tokens")
     raw = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
-    payload = (
-        _shuffle_compress(raw, kv.dtype.itemsize, zstd_level)
-        if codec == "shuffle-zstd"
-        else raw.data
-    )
+    payload = _shuffle_compress(raw, kv.dtype.itemsize, zstd_level) if codec == "shuffle-zstd" else raw.data
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, CODEC_IDS[codec], DTYPE_IDS[dtype],
         chunk_id.fingerprint, chunk_id.namespace, chunk_id.block_key,
@@ -132,11 +126,7 @@ def decode_chunk(
     if expect is not None and chunk_id != expect:
         raise ChecksumError(f"chunk identity mismatch: expected {expect}, found {chunk_id}")
     pos_end = _HEADER.size + 4 * num_tokens
-    if (
-        pos_end + payload_len != len(body)
-        or codec_id not in _CODEC_NAMES
-        or dtype_id not in _DTYPE_NAMES
-    ):
+    if pos_end + payload_len != len(body) or codec_id not in _CODEC_NAMES or dtype_id not in _DTYPE_NAMES:
         raise ChecksumError("chunk header does not match its length, codec or dtype")
     positions = np.frombuffer(body[_HEADER.size : pos_end], dtype="<u4").astype(np.int64)
     dtype = numpy_dtype(_DTYPE_NAMES[dtype_id])

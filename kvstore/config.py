@@ -58,9 +58,7 @@ class StoreConfig:
                 f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"
             )
         if self.data_dir is None and self.remote_url is None and self.memory_bytes == 0:
-            raise InvalidInputError(
-                "memory_bytes must be > 0 when there is no data_dir nor remote_url"
-            )
+            raise InvalidInputError("memory_bytes must be > 0 when there is no data_dir nor remote_url")
 
     @property
     def chunks_per_block(self) -> int:

@@ -64,9 +64,7 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
         records = list(tier.iter_meta_raw())
         metas = {key: meta for key, meta in records if meta is not None}
         bad = {key for key, meta in records if meta is None}
-        report.problems += [
-            FsckProblem(k.hex(), "bad-metadata", "record does not parse") for k in bad
-        ]
+        report.problems += [FsckProblem(k.hex(), "bad-metadata", "record does not parse") for k in bad]
         for meta in _progress(metas.values(), progress, len(metas)):
             report.blocks_checked += 1
             found = _check_block(tier, meta)
@@ -77,8 +75,7 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
         bad |= _orphans(metas, report)
         orphan_chunks = _orphan_chunks(tier, metas)
         report.problems += [
-            FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it")
-            for k in orphan_chunks
+            FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it") for k in orphan_chunks
         ]
         if repair and report.problems:
             doomed = _with_descendants(bad, metas)
@@ -108,9 +105,7 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
             problems.append(FsckProblem(meta.key.hex(), "bad-chunk", f"chunk {index}: {exc}"))
     if not problems and total != meta.nbytes:
         problems.append(
-            FsckProblem(
-                meta.key.hex(), "size-mismatch", f"{total} B stored, {meta.nbytes} B recorded"
-            )
+            FsckProblem(meta.key.hex(), "size-mismatch", f"{total} B stored, {meta.nbytes} B recorded")
         )
     return problems
 
@@ -120,9 +115,7 @@ def _orphans(metas: dict[bytes, BlockMeta], report: FsckReport) -> set[bytes]:
     for meta in metas.values():
         if meta.parent != ROOT_KEY and meta.parent not in metas:
             orphans.add(meta.key)
-            report.problems.append(
-                FsckProblem(meta.key.hex(), "orphan-block", "parent block is missing")
-            )
+            report.problems.append(FsckProblem(meta.key.hex(), "orphan-block", "parent block is missing"))
     return orphans
 
 

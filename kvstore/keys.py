@@ -54,9 +54,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray[A
     return arr.astype(np.uint32, copy=False)
 
 
-def block_key(
-    parent: bytes, block_tokens: np.ndarray[Any, Any], fingerprint: bytes, ns: bytes
-) -> bytes:
+def block_key(parent: bytes, block_tokens: np.ndarray[Any, Any], fingerprint: bytes, ns: bytes) -> bytes:
     """Key of one block: blake2b-128(parent || fingerprint || namespace digest || tokens u32le)."""
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvsieve-block")
     h.update(parent)
@@ -66,9 +64,7 @@ def block_key(
     return h.digest()
 
 
-def block_keys(
-    tokens: np.ndarray[Any, Any], block_tokens: int, fingerprint: bytes, ns: bytes
-) -> list[bytes]:
+def block_keys(tokens: np.ndarray[Any, Any], block_tokens: int, fingerprint: bytes, ns: bytes) -> list[bytes]:
     """Keys of every full block of `tokens`, in order (a trailing partial block has none)."""
     keys: list[bytes] = []
     parent = ROOT_KEY

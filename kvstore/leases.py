@@ -56,9 +56,7 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
-                raise NotFoundError(
-                    f"unknown lease {lease_id!r} (never granted, released or expired)"
-                )
+                raise NotFoundError(f"unknown lease {lease_id!r} (never granted, released or expired)")
             self._unpin(lease.keys)
 
     def sweep(self) -> int:

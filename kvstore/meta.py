@@ -74,9 +74,7 @@ class BlockMeta:
         lo = chunk_index * self.chunk_tokens
         return self.permutation[lo : lo + self.chunk_tokens]
 
-    def with_layout(
-        self, layout_version: int, permutation: np.ndarray[Any, Any], nbytes: int
-    ) -> BlockMeta:
+    def with_layout(self, layout_version: int, permutation: np.ndarray[Any, Any], nbytes: int) -> BlockMeta:
         """A copy with a new layout (used by re-layout)."""
         return replace(self, layout_version=layout_version, permutation=permutation, nbytes=nbytes)
 

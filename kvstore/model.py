@@ -59,13 +59,9 @@ class ModelSpec:
         for field in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if not isinstance(value, int) or not 1 <= value <= 65535:
-                raise InvalidInputError(
-                    f"ModelSpec.{field} must be an int in [1, 65535], got {value!r}"
-                )
+                raise InvalidInputError(f"ModelSpec.{field} must be an int in [1, 65535], got {value!r}")
         if self.dtype not in DTYPE_IDS:
-            raise InvalidInputError(
-                f"ModelSpec.dtype must be one of {sorted(DTYPE_IDS)}, got {self.dtype!r}"
-            )
+            raise InvalidInputError(f"ModelSpec.dtype must be one of {sorted(DTYPE_IDS)}, got {self.dtype!r}")
         if not self.name:
             raise InvalidInputError("ModelSpec.name must not be empty")
 

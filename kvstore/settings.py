@@ -69,11 +69,7 @@ def convert(value: Any, hint: Any, name: str) -> Any:
         return convert(value, args[0], name)
     try:
         if hint is bool:
-            return (
-                value
-                if isinstance(value, bool)
-                else str(value).lower() in ("1", "true", "yes", "on")
-            )
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
         if hint is int:
             return parse_bytes(value) if isinstance(value, str) else int(value)
         if hint is float:

@@ -126,9 +126,7 @@ class TieredStore:
         self.durable: list[Tier] = []
         if self.config.lmdb_dir is not None:
             self.durable.append(
-                create_tier(
-                    "lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes
-                )
+                create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
             )
         if self.config.remote_url is not None:
             self.durable.append(create_tier("redis", url=self.config.remote_url))
@@ -163,32 +161,44 @@ class TieredStore:
         model: ModelSpec,
         namespace: str = DEFAULT_NAMESPACE,
         scores: Array | None = None,
+        kv_start: int = 0,
     ) -> StoreResult:
         """Store the new full blocks of a prefix; blocks already cached are skipped.
 
         Args:
             tokens: token ids of the prefix.
-            kv: shape `model.kv_shape(len(tokens))`, dtype `model.dtype`.
-            scores: optional per-token importance (len(tokens),); each new block is
-                written in descending score order (online layout).
+            kv: KV of tokens[kv_start:], shape `model.kv_shape(len(tokens) - kv_start)`,
+                dtype `model.dtype`.
+            scores: optional per-token importance of the same tokens as `kv`; each new
+                block is written in descending score order (online layout).
+            kv_start: first token `kv` covers, a multiple of block_tokens. An engine that
+                loaded the prefix's first blocks sends only the KV it computed; if one
+                of those first blocks is no longer cached, nothing can be stored.
 
         Raises:
             InvalidInputError: bad tokens, shape, dtype or scores; nothing is written.
             StoreFullError: the disk budget is exhausted by pinned blocks.
         """
         toks = as_token_array(tokens)
-        kv, scores = validate_kv(toks, kv, scores, model)
+        b = self.config.block_tokens
+        if not isinstance(kv_start, int) or kv_start < 0 or kv_start % b or kv_start > len(toks):
+            raise InvalidInputError(
+                f"kv_start must be a multiple of block_tokens ({b}) in [0, {len(toks)}], got {kv_start!r}"
+            )
+        kv, scores = validate_kv(toks[kv_start:], kv, scores, model)
         root = self._root(model, namespace)
-        keys = block_keys(toks, self.config.block_tokens, model.fingerprint, root[0])
+        keys = block_keys(toks, b, model.fingerprint, root[0])
         with self._write_lock:
             match = self.tree.match(root, toks, touch=False)
+            if len(match.nodes) < kv_start // b:  # a block before the KV we have is gone
+                return StoreResult(match.num_tokens, 0, 0)
             written = 0
             held = [n.key for n in match.nodes]
             self.tree.pin(held)  # the parent chain must survive eviction for this store
             try:
                 for index in range(len(match.nodes), len(keys)):
                     meta, chunks = self._encode_block(
-                        toks, kv, scores, keys, index, model, root, namespace
+                        toks, kv, scores, kv_start, keys, index, model, root, namespace
                     )
                     written += self._write_block(meta, chunks, model, root, toks)
                     held.append(meta.key)
@@ -223,17 +233,9 @@ class TieredStore:
         _check_budget(budget, budget_tokens)
         match = self._match(self._root(model, namespace), toks)
         metas: list[BlockMeta] = [n.payload for n in match.nodes]
-        wanted = (
-            budget_tokens
-            if budget_tokens is not None
-            else budget_to_tokens(budget, match.num_tokens)
-        )
-        selection = select_chunks(
-            [_slot_scores(m) for m in metas], wanted, self.config.chunk_tokens
-        )
-        stream = LoadStream(
-            match.num_tokens, sum(s.selected_tokens for s in selection), model.token_bytes
-        )
+        wanted = budget_tokens if budget_tokens is not None else budget_to_tokens(budget, match.num_tokens)
+        selection = select_chunks([_slot_scores(m) for m in metas], wanted, self.config.chunk_tokens)
+        stream = LoadStream(match.num_tokens, sum(s.selected_tokens for s in selection), model.token_bytes)
         stream._source = self._stream_blocks(stream, metas, [s.chunks for s in selection])
         self.counters.add("loads")
         return stream
@@ -277,17 +279,13 @@ class TieredStore:
         toks = as_token_array(tokens)
         values = np.asarray(scores, dtype=np.float32)
         if values.shape != (len(toks),) or not np.all(np.isfinite(values)):
-            raise InvalidInputError(
-                f"scores must be {len(toks)} finite floats, got shape {values.shape}"
-            )
+            raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {values.shape}")
         match = self.tree.match(self._root(model, namespace), toks, touch=False)
         decay = decay_factor(self.config.score_half_life_reports)
         b = self.config.block_tokens
         for i, node in enumerate(match.nodes):
             meta: BlockMeta = node.payload
-            updated = replace(
-                meta, scores=accumulate(meta.scores, values[i * b : (i + 1) * b], decay)
-            )
+            updated = replace(meta, scores=accumulate(meta.scores, values[i * b : (i + 1) * b], decay))
             for tier in [self.memory, *self.durable]:
                 tier.put_meta(updated)
             node.payload = updated
@@ -319,18 +317,19 @@ class TieredStore:
     # -- store path ---------------------------------------------------------------
 
     def _encode_block(
-        self, toks: Array, kv: Array, scores: Array | None, keys: list[bytes], index: int,
-        model: ModelSpec, root: tuple[bytes, bytes], namespace: str,
+        self, toks: Array, kv: Array, scores: Array | None, kv_start: int, keys: list[bytes],
+        index: int, model: ModelSpec, root: tuple[bytes, bytes], namespace: str,
     ) -> tuple[BlockMeta, list[bytes]]:  # fmt: skip
         b, c = self.config.block_tokens, self.config.chunk_tokens
         start = index * b
-        block_scores = None if scores is None else scores[start : start + b]
+        local = start - kv_start  # where the block starts in `kv` and `scores`
+        block_scores = None if scores is None else scores[local : local + b]
         perm = importance_order(block_scores, b)
         chunks = []
         for chunk_index in range(b // c):
             offsets = perm[chunk_index * c : (chunk_index + 1) * c]
             cid = ChunkId(model.fingerprint, root[0], keys[index], 0, chunk_index)
-            data = kv[:, :, :, start + offsets, :]
+            data = kv[:, :, :, local + offsets, :]
             chunks.append(
                 encode_chunk(
                     cid,
@@ -359,9 +358,7 @@ class TieredStore:
         for tier in self.durable:
             self._put_durable(tier, meta, chunks)
             self.counters.add(f"bytes_written.{tier.name}", meta.nbytes)
-        memory_chunks = (
-            chunks if self.config.codec == "raw" else [_reencode_raw(x, model) for x in chunks]
-        )
+        memory_chunks = chunks if self.config.codec == "raw" else [_reencode_raw(x, model) for x in chunks]
         try:
             self.memory.put_block(meta, memory_chunks)
             self.counters.add("bytes_written.memory", sum(len(x) for x in memory_chunks))
@@ -372,17 +369,12 @@ class TieredStore:
                 ) from None
         parent = None if meta.depth == 0 else meta.parent
         b = self.config.block_tokens
-        self.tree.insert(
-            root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta
-        )
+        self.tree.insert(root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta)
         return meta.nbytes
 
     def _put_durable(self, tier: Tier, meta: BlockMeta, chunks: list[bytes]) -> None:
         usage = tier.usage()
-        if (
-            usage.capacity_bytes is not None
-            and usage.used_bytes + meta.nbytes > usage.capacity_bytes
-        ):
+        if usage.capacity_bytes is not None and usage.used_bytes + meta.nbytes > usage.capacity_bytes:
             self._evict(usage.used_bytes + meta.nbytes - usage.capacity_bytes)
             usage = tier.usage()
             if usage.used_bytes + meta.nbytes > (usage.capacity_bytes or 0):
@@ -430,9 +422,7 @@ class TieredStore:
         self.counters.add("bytes_selected", stream.selected_tokens * stream._token_bytes)
         self.counters.sample_read_amplification(stream.read_amplification)
 
-    def _read_block(
-        self, meta: BlockMeta, block_index: int, indices: list[int]
-    ) -> list[LoadedChunk] | None:
+    def _read_block(self, meta: BlockMeta, block_index: int, indices: list[int]) -> list[LoadedChunk] | None:
         found: dict[int, LoadedChunk] = {}
         tally: Counter[str] = Counter()
         for index, data in zip(indices, self.memory.get_chunks(meta, indices), strict=True):
@@ -470,9 +460,7 @@ class TieredStore:
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
         if self.config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
             cid = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
-            data = memoryview(
-                encode_chunk(cid, chunk.positions, chunk.kv, _dtype_name(chunk.kv), "raw")
-            )
+            data = memoryview(encode_chunk(cid, chunk.positions, chunk.kv, _dtype_name(chunk.kv), "raw"))
         self.memory.put_chunk(meta, index, data)
 
     def _forget(self, key: bytes) -> None:
@@ -537,9 +525,7 @@ def gather_chunks(chunks: Sequence[LoadedChunk], model: ModelSpec) -> tuple[Arra
     return positions, np.concatenate([c.kv for c in chunks], axis=3)
 
 
-def validate_kv(
-    toks: Array, kv: Array, scores: Array | None, model: ModelSpec
-) -> tuple[Array, Array | None]:
+def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) -> tuple[Array, Array | None]:
     """Check KV and scores against the tokens and the model; InvalidInputError names the field."""
     kv = np.asarray(kv)
     if kv.shape != model.kv_shape(len(toks)):
@@ -552,9 +538,7 @@ def validate_kv(
     if scores is not None:
         scores = np.asarray(scores, dtype=np.float32)
         if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
-            raise InvalidInputError(
-                f"scores must be {len(toks)} finite floats, got shape {scores.shape}"
-            )
+            raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {scores.shape}")
     return kv, scores
 
 

@@ -99,9 +99,7 @@ def kv_from_bytes(data: bytes | memoryview, model: ModelSpec, num_tokens: int, f
     """Bytes of `num_tokens` tokens -> KV array; InvalidInputError on a size mismatch."""
     expected = num_tokens * model.token_bytes
     if len(data) != expected:
-        raise InvalidInputError(
-            f"{field}: {len(data)} bytes for {num_tokens} tokens, expected {expected}"
-        )
+        raise InvalidInputError(f"{field}: {len(data)} bytes for {num_tokens} tokens, expected {expected}")
     return np.frombuffer(data, dtype=model.np_dtype).reshape(model.kv_shape(num_tokens))
 
 

@@ -35,9 +35,7 @@ def tiny() -> ModelSpec:
 @pytest.fixture
 def small_config(tmp_path: Path) -> StoreConfig:
     """Blocks of 32 tokens in chunks of 8, on an LMDB under tmp_path."""
-    return StoreConfig(
-        data_dir=tmp_path / "data", block_tokens=32, chunk_tokens=8, memory_bytes=64 << 20
-    )
+    return StoreConfig(data_dir=tmp_path / "data", block_tokens=32, chunk_tokens=8, memory_bytes=64 << 20)
 
 
 @pytest.fixture

@@ -22,12 +22,8 @@ def prompt(round_index: int, j: int) -> tuple[np.ndarray, np.ndarray]:
     own = np.random.default_rng(round_index * 10_000 + j + 1).integers(0, 50_000, 320)
     tokens = np.concatenate([base, own])
     kv = np.empty(MODEL.kv_shape(len(tokens)), np.float16)
-    kv[:, :, :, :SHARED] = np.random.default_rng(round_index + 7).standard_normal(
-        MODEL.kv_shape(SHARED)
-    )
-    own_kv = np.random.default_rng(round_index * 10_000 + j + 7).standard_normal(
-        MODEL.kv_shape(320)
-    )
+    kv[:, :, :, :SHARED] = np.random.default_rng(round_index + 7).standard_normal(MODEL.kv_shape(SHARED))
+    own_kv = np.random.default_rng(round_index * 10_000 + j + 7).standard_normal(MODEL.kv_shape(320))
     kv[:, :, :, SHARED:] = own_kv
     return tokens, kv
 

@@ -17,9 +17,7 @@ CID = ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 3, 7)
 def _kv(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     # Random bit patterns, NaNs and infinities included: the codec must not care.
-    bits = rng.integers(
-        0, 2**8, size=int(np.prod(shape)) * numpy_dtype(dtype).itemsize, dtype=np.uint8
-    )
+    bits = rng.integers(0, 2**8, size=int(np.prod(shape)) * numpy_dtype(dtype).itemsize, dtype=np.uint8)
     return bits.view(numpy_dtype(dtype)).reshape(shape)
 
 

@@ -35,9 +35,7 @@ def test_sigkill_mid_store_leaves_whole_blocks_or_misses(tmp_path: Path) -> None
         proc.wait()
         checked_blocks += verify_rounds(tmp_path, [round_index])
     assert checked_blocks > ROUNDS  # the writer got real work done between kills
-    assert (
-        verify_rounds(tmp_path, list(range(ROUNDS))) == checked_blocks
-    )  # later rounds lost nothing
+    assert verify_rounds(tmp_path, list(range(ROUNDS))) == checked_blocks  # later rounds lost nothing
     report = fsck(tmp_path)
     assert report.clean, report.problems
 

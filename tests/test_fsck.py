@@ -19,9 +19,7 @@ from kvstore.store import TieredStore
 
 
 def kvsieve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True
-    )
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True)
 
 
 def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:
@@ -29,10 +27,7 @@ def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:
     with TieredStore(config) as s:
         s.store(tokens, make_kv(tiny, 96), model=tiny)
         s.store(make_tokens(64, seed=5), make_kv(tiny, 64, 5), model=tiny)
-        return [
-            n.key
-            for n in s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes
-        ]
+        return [n.key for n in s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes]
 
 
 def test_clean_store_is_clean(small_config: StoreConfig, tiny: ModelSpec) -> None:
@@ -52,18 +47,14 @@ def test_flipped_byte_is_reported_then_repaired(small_config: StoreConfig, tiny:
     assert result.returncode == 2
     assert [(p["key"], p["kind"]) for p in report["problems"]] == [(keys[1].hex(), "bad-chunk")]
     result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--repair")
-    assert (
-        result.returncode == 1 and "removed 2 blocks" in result.stdout
-    )  # the bad one and its child
+    assert result.returncode == 1 and "removed 2 blocks" in result.stdout  # the bad one and its child
     assert fsck(small_config.data_dir).clean  # type: ignore[arg-type]
     with TieredStore(small_config) as s:
         assert s.lookup(make_tokens(96), model=tiny).num_tokens == 32
         assert s.lookup(make_tokens(64, seed=5), model=tiny).num_tokens == 64
 
 
-def test_missing_parent_and_stray_chunks_are_found(
-    small_config: StoreConfig, tiny: ModelSpec
-) -> None:
+def test_missing_parent_and_stray_chunks_are_found(small_config: StoreConfig, tiny: ModelSpec) -> None:
     keys = filled(small_config, tiny)
     env = lmdb.open(str(small_config.lmdb_dir), max_dbs=4)
     blocks = env.open_db(b"blocks")

@@ -49,9 +49,7 @@ def test_keys_identical_in_a_fresh_process() -> None:
         "keys = block_keys(np.arange(64, dtype=np.uint32), 16, bytes(16), namespace_digest('x'));"
         "print(keys[-1].hex())"
     )
-    here = block_keys(np.arange(64, dtype=np.uint32), 16, bytes(16), namespace_digest("x"))[
-        -1
-    ].hex()
+    here = block_keys(np.arange(64, dtype=np.uint32), 16, bytes(16), namespace_digest("x"))[-1].hex()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == here
 

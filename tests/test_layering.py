@@ -48,9 +48,7 @@ def test_only_engine_adapter_imports_transformers() -> None:
 def test_tiers_and_codec_import_no_siblings() -> None:
     allowed = {"kvstore.errors", "kvstore.meta", "kvstore.model"}
     for path in [*files("kvstore/tiers"), ROOT / "kvstore" / "codec.py"]:
-        siblings = {
-            n for n in imports_of(path) if top(n) == "kvstore" and not n.startswith("kvstore.tiers")
-        }
+        siblings = {n for n in imports_of(path) if top(n) == "kvstore" and not n.startswith("kvstore.tiers")}
         assert siblings <= allowed, f"{path.relative_to(ROOT)} imports {siblings - allowed}"
 
 
@@ -64,7 +62,5 @@ def test_lower_layers_do_not_import_upper_ones() -> None:
 
 def test_importing_the_packages_stays_light() -> None:
     code = f"import sys, kvstore, radix, importance; print(sorted(set(sys.modules) & {HEAVY!r}))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

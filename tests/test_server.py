@@ -139,9 +139,7 @@ def test_eight_concurrent_clients_get_bit_exact_results(sidecar: Sidecar) -> Non
                 for _ in range(5):
                     for tokens, kv in ((shared_tokens, shared_kv), (own_tokens, own_kv)):
                         client.store(tokens, kv, model=TINY, namespace="concurrent")
-                        covered, _, loaded = client.load_arrays(
-                            tokens, model=TINY, namespace="concurrent"
-                        )
+                        covered, _, loaded = client.load_arrays(tokens, model=TINY, namespace="concurrent")
                         assert covered == 96 and loaded.tobytes() == kv[:, :, :, :96].tobytes()
         except BaseException as exc:
             errors.append(exc)
@@ -238,10 +236,7 @@ def test_malformed_streams_are_rejected_and_the_server_keeps_serving(sidecar: Si
                                (no_header, "header"), (short, "bytes")):  # fmt: skip
             with pytest.raises(grpc.RpcError) as info:
                 stub.Store(iter(requests), timeout=10)
-            assert (
-                info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                and text in info.value.details()
-            )
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in info.value.details()
         oversized = [header, pb.StoreRequest(slice=pb.KVSlice(data=bytes(80 << 20)))]
         with pytest.raises(grpc.RpcError) as info:
             stub.Store(iter(oversized), timeout=10)
@@ -249,10 +244,7 @@ def test_malformed_streams_are_rejected_and_the_server_keeps_serving(sidecar: Si
         missing_model = pb.LookupRequest(ctx=pb.RequestContext(namespace="x"), tokens=[1])
         with pytest.raises(grpc.RpcError) as info:
             stub.Lookup(missing_model, timeout=10)
-        assert (
-            info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            and "model" in info.value.details()
-        )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in info.value.details()
     with KVClient(sidecar.address) as client:
         assert client.lookup(tokens, model=TINY, namespace="malformed").num_tokens == 0
         client.store(tokens, make_kv(TINY, 64, seed=11), model=TINY, namespace="malformed")
@@ -282,9 +274,7 @@ def test_shared_memory_path_is_used_and_never_leaks(tmp_path: Path) -> None:
                 assert b"".join(c.kv.tobytes() for c in chunks) == b"".join(
                     kv[:, :, :, c.positions].tobytes() for c in chunks
                 )
-            assert (
-                set(shm.leaked_segments()) == before
-            )  # names are unlinked once both sides map them
+            assert set(shm.leaked_segments()) == before  # names are unlinked once both sides map them
             stream = client.load(tokens, model=TINY)  # cancelled mid-stream
             next(stream)
             stream.close()
@@ -309,14 +299,10 @@ def test_health_reflection_and_metrics(sidecar: Sidecar) -> None:
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     assert {"kvsieve.v1.KVCache", "grpc.health.v1.Health"} <= services
     with KVClient(sidecar.address) as client:
-        client.store(
-            make_tokens(32, seed=13), make_kv(TINY, 32, seed=13), model=TINY, namespace="m"
-        )
+        client.store(make_tokens(32, seed=13), make_kv(TINY, 32, seed=13), model=TINY, namespace="m")
         client.load_arrays(make_tokens(32, seed=13), model=TINY, namespace="m")
     body = (
-        urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=10)
-        .read()
-        .decode()
+        urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=10).read().decode()
     )
     expected = (
         "kvsieve_chunk_hits_total kvsieve_load_seconds_bucket kvsieve_read_amplification_bucket"

@@ -111,9 +111,7 @@ def test_budget_outside_unit_interval_is_rejected(
         store.load(make_tokens(64), model=tiny, budget=budget)  # type: ignore[arg-type]
 
 
-def test_partial_budget_reads_leading_chunks_of_each_block(
-    store: TieredStore, tiny: ModelSpec
-) -> None:
+def test_partial_budget_reads_leading_chunks_of_each_block(store: TieredStore, tiny: ModelSpec) -> None:
     tokens, kv = make_tokens(64), make_kv(tiny, 64)
     store.store(tokens, kv, model=tiny)
     stream = store.load(tokens, model=tiny, budget=0.25)
@@ -142,9 +140,7 @@ def test_disk_budget_evicts_least_recently_used_blocks(tmp_path: Path, tiny: Mod
     probe = StoreConfig(data_dir=tmp_path / "probe", block_tokens=32, chunk_tokens=8)
     with TieredStore(probe) as s:
         block_bytes = s.store(make_tokens(32), make_kv(tiny, 32), model=tiny).bytes_written
-    config = StoreConfig(
-        data_dir=tmp_path / "d", block_tokens=32, chunk_tokens=8, disk_bytes=3 * block_bytes
-    )
+    config = StoreConfig(data_dir=tmp_path / "d", block_tokens=32, chunk_tokens=8, disk_bytes=3 * block_bytes)
     prompts = [make_tokens(32, seed=i) for i in range(4)]
     with TieredStore(config) as s:
         for i in range(3):
@@ -157,15 +153,11 @@ def test_disk_budget_evicts_least_recently_used_blocks(tmp_path: Path, tiny: Mod
         assert s.stats().get("evictions.disk") == 1
 
 
-def test_pinned_blocks_are_not_evicted_and_full_store_says_so(
-    tmp_path: Path, tiny: ModelSpec
-) -> None:
+def test_pinned_blocks_are_not_evicted_and_full_store_says_so(tmp_path: Path, tiny: ModelSpec) -> None:
     probe = StoreConfig(data_dir=tmp_path / "probe", block_tokens=32, chunk_tokens=8)
     with TieredStore(probe) as s:
         block_bytes = s.store(make_tokens(32), make_kv(tiny, 32), model=tiny).bytes_written
-    config = StoreConfig(
-        data_dir=tmp_path / "d", block_tokens=32, chunk_tokens=8, disk_bytes=block_bytes
-    )
+    config = StoreConfig(data_dir=tmp_path / "d", block_tokens=32, chunk_tokens=8, disk_bytes=block_bytes)
     with TieredStore(config) as s:
         first = make_tokens(32, seed=1)
         s.store(first, make_kv(tiny, 32, 1), model=tiny)
@@ -178,9 +170,7 @@ def test_pinned_blocks_are_not_evicted_and_full_store_says_so(
         assert s.lookup(first, model=tiny).num_tokens == 0
 
 
-def test_leases_expire_and_unknown_leases_are_not_found(
-    store: TieredStore, tiny: ModelSpec
-) -> None:
+def test_leases_expire_and_unknown_leases_are_not_found(store: TieredStore, tiny: ModelSpec) -> None:
     tokens = make_tokens(32)
     store.store(tokens, make_kv(tiny, 32), model=tiny)
     lease = store.pin(tokens, model=tiny, ttl_s=0.01)
@@ -196,15 +186,11 @@ def test_leases_expire_and_unknown_leases_are_not_found(
         store.pin(tokens, model=tiny, ttl_s=0)
 
 
-def test_flipped_byte_on_disk_is_a_miss_and_counted(
-    small_config: StoreConfig, tiny: ModelSpec
-) -> None:
+def test_flipped_byte_on_disk_is_a_miss_and_counted(small_config: StoreConfig, tiny: ModelSpec) -> None:
     tokens, kv = make_tokens(96), make_kv(tiny, 96)
     with TieredStore(small_config) as s:
         s.store(tokens, kv, model=tiny)
-        second_block = s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes[
-            1
-        ]
+        second_block = s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes[1]
     corrupt_chunk(small_config, second_block.key, chunk_index=2)
     with TieredStore(small_config) as s:
         # The first block is intact; the corrupt one and what follows are a miss.
@@ -239,9 +225,7 @@ def test_memory_only_store(tiny: ModelSpec) -> None:
         assert covered == 64 and loaded.tobytes() == kv.tobytes()
 
 
-def test_sidecars_share_blocks_through_redis(
-    tmp_path: Path, redis_url: str, tiny: ModelSpec
-) -> None:
+def test_sidecars_share_blocks_through_redis(tmp_path: Path, redis_url: str, tiny: ModelSpec) -> None:
     tokens, kv = make_tokens(96, seed=77), make_kv(tiny, 96, seed=77)
     a = StoreConfig(data_dir=tmp_path / "a", block_tokens=32, chunk_tokens=8, remote_url=redis_url)
     b = StoreConfig(data_dir=tmp_path / "b", block_tokens=32, chunk_tokens=8, remote_url=redis_url)

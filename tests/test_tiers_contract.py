@@ -71,11 +71,7 @@ def test_contains_meta_and_delete(tier: Tier) -> None:
     tier.put_block(meta, chunks)
     assert tier.contains(meta.key)
     stored = tier.get_meta(meta.key)
-    assert (
-        stored is not None
-        and stored.key == meta.key
-        and stored.tokens.tolist() == meta.tokens.tolist()
-    )
+    assert stored is not None and stored.key == meta.key and stored.tokens.tolist() == meta.tokens.tolist()
     assert tier.delete_block(meta.key) == meta.nbytes
     assert not tier.contains(meta.key)
     assert tier.get_chunks(meta, [0]) == [None]

@@ -65,9 +65,7 @@ async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServe
     pb_grpc.add_KVCacheServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = _bind(server, config)
     await server.start()
     for name in ("", SERVICE_NAME):
@@ -97,9 +95,7 @@ def _start_metrics(config: ServerConfig, metrics: Metrics) -> tuple[Any, str | N
     from prometheus_client import start_http_server
 
     host, _, port = config.metrics_listen.rpartition(":")
-    httpd, _thread = start_http_server(
-        int(port), addr=host or "127.0.0.1", registry=metrics.registry
-    )
+    httpd, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=metrics.registry)
     return httpd, f"http://{host or '127.0.0.1'}:{httpd.server_port}/metrics"
 
 

@@ -73,11 +73,7 @@ class ArenaCache:
         """Unmap arenas idle for longer than `idle_s`."""
         now = time.monotonic()
         with self._lock:
-            stale = [
-                n
-                for n, a in self._arenas.items()
-                if not a.busy and now - a.last_used > self._idle_s
-            ]
+            stale = [n for n, a in self._arenas.items() if not a.busy and now - a.last_used > self._idle_s]
             dropped = [self._arenas.pop(n) for n in stale]
         for arena in dropped:
             arena.segment.close()

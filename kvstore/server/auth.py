@@ -34,9 +34,7 @@ class Authorizer:
                 # constant-time comparison: no timing oracle on the token
                 if hmac.compare_digest(known.encode(), token.encode()):
                     return known
-        raise UnauthenticatedError(
-            "missing or invalid bearer token (metadata 'authorization: Bearer ...')"
-        )
+        raise UnauthenticatedError("missing or invalid bearer token (metadata 'authorization: Bearer ...')")
 
     def check(self, token: str | None, namespace: str) -> None:
         """Raise PermissionDeniedError unless `token` grants `namespace`."""

@@ -47,9 +47,7 @@ class ServerConfig:
                 f"max_message_bytes must be in [1 MiB, 2 GiB), got {self.max_message_bytes}"
             )
         if self.max_concurrent_rpcs < 1:
-            raise InvalidInputError(
-                f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}"
-            )
+            raise InvalidInputError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidInputError("tls_cert and tls_key must be given together")
         if not self.is_loopback and not self.auth_tokens and not self.allow_insecure_remote:

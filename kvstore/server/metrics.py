@@ -25,18 +25,12 @@ class StoreCollector:
     def collect(self) -> Iterator[Any]:
         stats = self._store.stats()
         per_tier = {
-            "chunk_hits": CounterMetricFamily(
-                "kvsieve_chunk_hits", "Chunks read, by tier", labels=["tier"]
-            ),
-            "bytes_read": CounterMetricFamily(
-                "kvsieve_read_bytes", "Bytes read, by tier", labels=["tier"]
-            ),
+            "chunk_hits": CounterMetricFamily("kvsieve_chunk_hits", "Chunks read, by tier", labels=["tier"]),
+            "bytes_read": CounterMetricFamily("kvsieve_read_bytes", "Bytes read, by tier", labels=["tier"]),
             "bytes_written": CounterMetricFamily(
                 "kvsieve_written_bytes", "Bytes written, by tier", labels=["tier"]
             ),
-            "evictions": CounterMetricFamily(
-                "kvsieve_evictions", "Evictions, by tier", labels=["tier"]
-            ),
+            "evictions": CounterMetricFamily("kvsieve_evictions", "Evictions, by tier", labels=["tier"]),
         }
         for name, value in stats.counters.items():
             family, _, tier = name.partition(".")
@@ -51,9 +45,7 @@ class StoreCollector:
         ):  # fmt: skip
             yield CounterMetricFamily(f"kvsieve_{name}", help_text, value=stats.get(name))
         hits, lookups = stats.get("lookup_hits"), stats.get("lookups")
-        yield CounterMetricFamily(
-            "kvsieve_lookup_hits", "Lookups that matched >= 1 block", value=hits
-        )
+        yield CounterMetricFamily("kvsieve_lookup_hits", "Lookups that matched >= 1 block", value=hits)
         yield CounterMetricFamily(
             "kvsieve_lookup_misses", "Lookups that matched nothing", value=lookups - hits
         )
@@ -61,9 +53,7 @@ class StoreCollector:
         for tier, usage in stats.tiers.items():
             used.add_metric([tier], usage.used_bytes)
         yield used
-        yield GaugeMetricFamily(
-            "kvsieve_active_leases", "Leases in force", value=stats.active_leases
-        )
+        yield GaugeMetricFamily("kvsieve_active_leases", "Leases in force", value=stats.active_leases)
         yield GaugeMetricFamily("kvsieve_blocks", "Blocks in the index", value=stats.num_blocks)
 
 

@@ -56,9 +56,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if self._store.local_only:  # O(blocks) dict probes: cheaper than a thread hop
                 result = self._store.lookup(tokens, model=model, namespace=namespace)
             else:
-                result = await asyncio.to_thread(
-                    self._store.lookup, tokens, model=model, namespace=namespace
-                )
+                result = await asyncio.to_thread(self._store.lookup, tokens, model=model, namespace=namespace)
             return pb.LookupResponse(
                 num_tokens=result.num_tokens,
                 num_blocks=result.num_blocks,
@@ -66,9 +64,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             )
 
     @override
-    async def Store(
-        self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any
-    ) -> pb.StoreResponse:
+    async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
         async with self._guard(context), self._streaming():
             first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("part") != "header":
@@ -78,23 +74,24 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             tokens = tokens_from_pb(header.tokens)
             if len(tokens) > self._config.max_store_tokens:
                 raise InvalidInputError(
-                    f"tokens: {len(tokens)} exceeds max_store_tokens "
-                    f"{self._config.max_store_tokens}"
+                    f"tokens: {len(tokens)} exceeds max_store_tokens {self._config.max_store_tokens}"
                 )
-            kv = np.empty(model.kv_shape(len(tokens)), model.np_dtype)
+            kv_start = header.kv_start
+            if kv_start > len(tokens):
+                raise InvalidInputError(f"kv_start {kv_start} is beyond the {len(tokens)} tokens")
+            kv = np.empty(model.kv_shape(len(tokens) - kv_start), model.np_dtype)
             filled = 0
             async for message in request_iterator:
                 if message.WhichOneof("part") != "slice":
                     raise InvalidInputError("after the header, a Store stream carries only slices")
-                filled = _place_slice(kv, message.slice, filled, model)
-            if filled != len(tokens):
-                raise InvalidInputError(
-                    f"slices cover {filled} of {len(tokens)} tokens; nothing was stored"
-                )
+                filled = _place_slice(kv, message.slice, filled, kv_start, model)
+            if filled != kv.shape[3]:
+                raise InvalidInputError(f"slices cover {filled} of {kv.shape[3]} tokens; nothing was stored")
             scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
             result = await asyncio.to_thread(
-                self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores
-            )
+                self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
+                kv_start=kv_start,
+            )  # fmt: skip
             return pb.StoreResponse(
                 num_tokens=result.num_tokens,
                 new_blocks=result.new_blocks,
@@ -111,11 +108,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 self._store.load, tokens, model=model, namespace=namespace,
                 budget=request.budget or 1.0, budget_tokens=request.budget_tokens or None,
             )  # fmt: skip
-            segment = (
-                self.arenas.acquire(request.shm_name)
-                if request.shm_name and self._config.shm
-                else None
-            )
+            segment = self.arenas.acquire(request.shm_name) if request.shm_name and self._config.shm else None
             try:
                 yield pb.LoadResponse(
                     header=pb.LoadHeader(
@@ -126,9 +119,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 )
                 writer = _ChunkWriter(stream, segment, model)
                 limit = self._config.max_message_bytes // 2
-                while message := await asyncio.to_thread(
-                    writer.next_batch, _CHUNKS_PER_MESSAGE, limit
-                ):
+                while message := await asyncio.to_thread(writer.next_batch, _CHUNKS_PER_MESSAGE, limit):
                     yield message
             finally:
                 if segment is not None:
@@ -146,9 +137,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 self._metrics.read_amplification.observe(stream.read_amplification)
 
     @override
-    async def ReportScores(
-        self, request: pb.ReportScoresRequest, context: Any
-    ) -> pb.ReportScoresResponse:
+    async def ReportScores(self, request: pb.ReportScoresRequest, context: Any) -> pb.ReportScoresResponse:
         async with self._guard(context):
             model, namespace = self._authorised(context, request.ctx)
             tokens = tokens_from_pb(request.tokens)
@@ -222,17 +211,13 @@ class _Guard:
         return None
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None or isinstance(
-            exc, (asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)
-        ):
+        if exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)):
             return
         if not isinstance(exc, Exception):
             return
         code = status_for(exc)
         details = (
-            str(exc)
-            if code != grpc.StatusCode.INTERNAL
-            else f"internal error: {type(exc).__name__}: {exc}"
+            str(exc) if code != grpc.StatusCode.INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
         )
         await self._context.abort(code, details)
 
@@ -285,12 +270,16 @@ class _ChunkWriter:
         return int(chunk.kv.nbytes)
 
 
-def _place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, model: Any) -> int:
-    """Copy one slice into `kv`; slices must arrive in order and within the tokens."""
-    if part.start_token != filled or part.num_tokens == 0 or filled + part.num_tokens > kv.shape[3]:
+def _place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, kv_start: int, model: Any) -> int:
+    """Copy one slice into `kv` (tokens from kv_start on); slices arrive in order."""
+    if (
+        part.start_token != kv_start + filled
+        or part.num_tokens == 0
+        or filled + part.num_tokens > kv.shape[3]
+    ):
         raise InvalidInputError(
             f"slice.start_token={part.start_token}, num_tokens={part.num_tokens}: expected a slice "
-            f"starting at {filled} within {kv.shape[3]} tokens"
+            f"starting at {kv_start + filled} within {kv.shape[3]} tokens"
         )
     data = kv_from_bytes(part.data, model, part.num_tokens, "slice.data")
     kv[:, :, :, filled : filled + part.num_tokens] = data

@@ -111,10 +111,7 @@ class LmdbTier:
     def put_meta(self, meta: BlockMeta) -> bool:
         with self._write_lock, self._env.begin(write=True, db=self._blocks_db) as txn:
             current = txn.get(meta.key)
-            if (
-                current is None
-                or BlockMeta.from_bytes(current).layout_version != meta.layout_version
-            ):
+            if current is None or BlockMeta.from_bytes(current).layout_version != meta.layout_version:
                 return False
             txn.put(meta.key, meta.to_bytes())
             return True
@@ -193,9 +190,7 @@ class LmdbTier:
         self._env.close()
 
     def _initial_map_size(self) -> int:
-        existing = (
-            (self._path / "data.mdb").stat().st_size if (self._path / "data.mdb").exists() else 0
-        )
+        existing = (self._path / "data.mdb").stat().st_size if (self._path / "data.mdb").exists() else 0
         if self._capacity is None:
             return max(self._initial_map, existing)
         return max(_MIN_MAP_BYTES, self._capacity * _MAP_OVERHEAD, existing)

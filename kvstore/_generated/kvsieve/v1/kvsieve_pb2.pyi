@@ -53,14 +53,16 @@ class LookupResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_blocks: _Optional[int] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
-    __slots__ = ("ctx", "tokens", "scores")
+    __slots__ = ("ctx", "tokens", "scores", "kv_start")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    KV_START_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+    kv_start: int
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., kv_start: _Optional[int] = ...) -> None: ...
 
 class KVSlice(_message.Message):
     __slots__ = ("start_token", "num_tokens", "data")

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstore.cliflags import add_flags, overrides
 from kvstore.config import StoreConfig
@@ -36,6 +37,30 @@ def _parser() -> argparse.ArgumentParser:
         description="Tiered KV-cache storage for LLM inference (memory -> LMDB disk -> Redis).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "generate",
+        help="answer a prompt with the attached model, reusing cached prefix KV",
+        description="Answer PROMPT with SmolLM2-135M-Instruct (or --model), loading cached prefix KV "
+        "from an embedded store (--data-dir, default ~/.cache/kvsieve/data) or a sidecar (--store).",
+    )
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--system", help="a system message before it")
+    p.add_argument("--budget", type=float, default=1.0, help="fraction of the cached prefix to load, (0, 1]")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
+    where.add_argument("--data-dir", type=Path, help="embedded store directory")
+    where.add_argument("--no-store", action="store_true", help="recompute everything")
+    p.add_argument("--token", help="bearer token for --store")
+    p.add_argument("--namespace", default="default", help="tenant / cache salt (default: default)")
+    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="say where the time went")
+    p.set_defaults(handler=_cmd_generate)
 
     p = sub.add_parser(
         "serve",
@@ -69,6 +94,46 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.set_defaults(handler=_cmd_bench)
     return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine_adapter.engine import Engine
+    from engine_adapter.model import cache_dir, load_model
+    from engine_adapter.sampling import Sampling
+
+    sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    lm = load_model(args.model)
+    store: Any = None
+    if args.store:
+        from kvstore.client import KVClient
+
+        store = KVClient(args.store, token=args.token)
+    elif not args.no_store:
+        from kvstore.store import TieredStore
+
+        data_dir = args.data_dir or build_config(StoreConfig).data_dir or cache_dir() / "data"
+        store = TieredStore(build_config(StoreConfig, overrides={"data_dir": data_dir}))
+    try:
+        result = Engine(lm, store, namespace=args.namespace).generate(messages, sampling, budget=args.budget)
+    finally:
+        if store is not None:
+            store.close()
+    print(result.text)
+    if args.verbose:
+        t = result.timings
+        print(
+            f"\nprompt {result.prompt_tokens} tokens: {result.matched_tokens} cached, "
+            f"{result.loaded_tokens} loaded (budget {args.budget}), {result.computed_tokens} computed; "
+            f"{result.stored_blocks} new blocks stored\n"
+            f"lookup {t.lookup_s * 1e3:.1f} ms, load {t.load_s * 1e3:.1f} ms, "
+            f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms "
+            f"({len(result.token_ids)} tokens, {result.finish_reason})",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

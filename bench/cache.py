@@ -6,19 +6,24 @@ import os
 from pathlib import Path
 
 
-def make_cold(*files: Path) -> str:
+def make_cold(*files: Path, drop_all: bool = True) -> str:
     """Evict `files` from the page cache. Returns the method used ("drop_caches",
-    "fadvise") or "none" when neither was possible (the figure is then warm)."""
+    "fadvise") or "none" when neither was possible (the figure is then warm).
+
+    `drop_all=False` evicts only `files` (fadvise): a benchmark whose model weights
+    are memory-mapped must not have them dropped too. Files must not be mapped then.
+    """
     for path in files:
         with open(path, "rb") as fh:
             os.fsync(fh.fileno()) if os.access(path, os.W_OK) else None
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
+    if drop_all:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as fh:
+                fh.write("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
     try:
         for path in files:
             fd = os.open(path, os.O_RDONLY)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,18 +21,16 @@ import torch
 from engine_adapter.attention import AttentionStats
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling, cut_at_stop, next_tokens
-from kvstore.model import ModelSpec
 
 Messages = Sequence[dict[str, str]]
 
 
-class KVStoreLike(Protocol):
-    """What the engine needs of a store: `TieredStore` and `KVClient` both fit."""
+if TYPE_CHECKING:
+    from kvstore.client import KVClient
+    from kvstore.store import TieredStore
 
-    def lookup(self, tokens: Any, *, model: ModelSpec, namespace: str = ...) -> Any: ...
-    def load(self, tokens: Any, *, model: ModelSpec, namespace: str = ..., budget: float = ...) -> Any: ...
-    def store(self, tokens: Any, kv: Any, *, model: ModelSpec, namespace: str = ..., **kw: Any) -> Any: ...
-    def report_scores(self, tokens: Any, scores: Any, *, model: ModelSpec, namespace: str = ...) -> int: ...
+    #: What the engine reads and writes KV through: embedded or remote, same methods.
+    KVStoreLike = TieredStore | KVClient
 
 
 @dataclass

@@ -14,7 +14,7 @@ from kvstore.config import StoreConfig
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
 
-BENCHMARKS = ("store", "transfer")
+BENCHMARKS = ("store", "transfer", "ttft")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,121 @@
+"""`kvsieve bench ttft`: time to first token with and without kvsieve, on SmolLM2-135M.
+
+Prompts are windows of 512, 1,024 and 2,048 tokens of Debian's license texts
+(bench/texts.py) plus a 32-token question. In one run, per length:
+(a) recompute everything; (b) load the whole prefix from the memory tier;
+(c) load it from the disk tier with a cold page cache; (d) load the most
+important quarter (budget 0.25). Then the quality of (d) against (b): top-1
+agreement and mean KL over 32 teacher-forced continuation tokens, for 10 prefixes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.cache import make_cold
+from bench.texts import token_windows
+from kvstore.config import StoreConfig
+from kvstore.store import TieredStore
+
+LENGTHS = (512, 1024, 2048)
+QUESTION_TOKENS = 32
+BUDGET = 0.25
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON object `kvsieve bench ttft --json` prints."""
+    from engine_adapter.model import load_model
+
+    lm = load_model(quiet=True)
+    lengths = (256, 512) if quick else LENGTHS
+    out: dict[str, Any] = {
+        "model": lm.spec.name,
+        "text": "Debian /usr/share/common-licenses",
+        "budget": BUDGET,
+    }
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+        for n in lengths:
+            out |= _ttft_at(lm, n, Path(tmp) / f"ttft-{n}", repeats=1 if quick else 3)
+        top = lengths[-1]
+        out["ttft_speedup_disk_2048"] = round(out[f"ttft_recompute_s_{top}"] / out[f"ttft_disk_s_{top}"], 2)
+        out["ttft_speedup_budget_2048"] = round(out[f"ttft_disk_s_{top}"] / out[f"ttft_budget_s_{top}"], 2)
+        out |= _quality(lm, Path(tmp) / "quality", 256 if quick else 1024, 3 if quick else 10)
+    out["prefix_lengths"] = list(lengths)
+    return out
+
+
+def _question(lm: Any) -> list[int]:
+    ids = lm.tokenizer.encode(
+        " Question: in one short sentence, what may a reader of the text above do? Answer:"
+    )
+    return (ids * 2)[:QUESTION_TOKENS]
+
+
+def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
+    from engine_adapter.engine import Engine
+
+    windows = token_windows(lm.tokenizer, n, repeats)
+    prompts = [ids + _question(lm) for _, ids in windows]
+    config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30)
+    recompute, memory, disk, budget = [], [], [], []
+    for prompt in prompts:
+        recompute.append(_ttft(Engine(lm, None, collect_stats=False), prompt, 1.0))
+        with TieredStore(config) as store:
+            Engine(lm, store).prefill(prompt)  # stores the prefix blocks with their prefill scores
+            memory.append(_ttft(Engine(lm, store), prompt, 1.0))
+        make_cold(config.lmdb_dir / "data.mdb", drop_all=False)  # type: ignore[operator]
+        with TieredStore(config) as store:
+            disk.append(_ttft(Engine(lm, store), prompt, 1.0))
+        make_cold(config.lmdb_dir / "data.mdb", drop_all=False)  # type: ignore[operator]
+        with TieredStore(config) as store:
+            budget.append(_ttft(Engine(lm, store), prompt, BUDGET))
+    return {
+        f"ttft_recompute_s_{n}": round(statistics.median(recompute), 4),
+        f"ttft_memory_s_{n}": round(statistics.median(memory), 4),
+        f"ttft_disk_s_{n}": round(statistics.median(disk), 4),
+        f"ttft_budget_s_{n}": round(statistics.median(budget), 4),
+    }
+
+
+def _ttft(engine: Any, prompt: list[int], budget: float) -> float:
+    t0 = time.perf_counter()
+    state = engine.prefill(prompt, budget)
+    int(state.logits.argmax())
+    return time.perf_counter() - t0
+
+
+def _quality(lm: Any, data_dir: Path, n: int, count: int) -> dict[str, Any]:
+    """Teacher-forced agreement of budget 0.25 with the full prefix, over `count` prefixes."""
+    from engine_adapter.engine import Engine
+
+    agree, kls = [], []
+    with TieredStore(StoreConfig(data_dir=data_dir, memory_bytes=4 << 30)) as store:
+        engine = Engine(lm, store)
+        # n cached tokens + 1 computed: its logits predict the first continuation token.
+        for _, ids in token_windows(lm.tokenizer, n + 1, count, tail=QUESTION_TOKENS):
+            prefix, continuation = ids[: n + 1], ids[n + 1 :]
+            full = engine.continuation_logits(prefix, continuation, 1.0)
+            part = engine.continuation_logits(prefix, continuation, BUDGET)
+            agree.append(float((full.argmax(-1) == part.argmax(-1)).float().mean()))
+            kls.append(_kl(full, part))
+    return {
+        "top1_budget_0_25": round(float(np.mean(agree)), 4),
+        "kl_budget_0_25": round(float(np.mean(kls)), 4),
+        "quality_prefixes": count,
+        "quality_prefix_tokens": n,
+        "quality_continuation_tokens": QUESTION_TOKENS,
+    }
+
+
+def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean KL(reference || other) over rows."""
+    p = torch.log_softmax(reference.float(), dim=-1)
+    q = torch.log_softmax(other.float(), dim=-1)
+    return float((p.exp() * (p - q)).sum(dim=-1).mean())

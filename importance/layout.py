@@ -61,3 +61,29 @@ def select_chunks(
 def budget_to_tokens(budget: float, total_tokens: int) -> int:
     """Tokens selected by a fraction budget in (0, 1]: ceil(budget * total)."""
     return min(total_tokens, math.ceil(budget * total_tokens - 1e-9))
+
+
+def top_set(scores: np.ndarray[Any, Any], fraction: float) -> set[int]:
+    """Offsets of the top `fraction` of a block's tokens by score (ties in prompt order)."""
+    k = budget_to_tokens(fraction, len(scores))
+    return {int(i) for i in importance_order(scores, len(scores))[:k]}
+
+
+def layout_change(
+    scores: np.ndarray[Any, Any], permutation: np.ndarray[Any, Any], fraction: float = 0.25
+) -> float:
+    """1 - Jaccard(top tokens by current scores, top tokens as laid out): 0 = layout still right."""
+    now = top_set(scores, fraction)
+    laid_out = {int(i) for i in permutation[: budget_to_tokens(fraction, len(permutation))]}
+    union = now | laid_out
+    return 1.0 - len(now & laid_out) / len(union) if union else 0.0
+
+
+def chunks_for_top(
+    scores: np.ndarray[Any, Any], permutation: np.ndarray[Any, Any], fraction: float, chunk_tokens: int
+) -> int:
+    """Chunks a block must read to deliver its top `fraction` tokens under `permutation`."""
+    wanted = top_set(scores, fraction)
+    slot_of = np.empty(len(permutation), dtype=np.int64)
+    slot_of[np.asarray(permutation)] = np.arange(len(permutation))
+    return len({int(slot_of[i]) // chunk_tokens for i in wanted})

@@ -9,6 +9,7 @@ from pathlib import Path
 from kvstore.codec import ChunkId, decode_chunk
 from kvstore.errors import ChecksumError
 from kvstore.keys import ROOT_KEY
+from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.tiers.lmdb import LmdbTier
 
@@ -58,6 +59,7 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
     lmdb_dir = Path(data_dir) / "lmdb"
     if not (lmdb_dir / "data.mdb").exists():
         raise FileNotFoundError(f"no kvsieve store under {data_dir} (expected {lmdb_dir}/data.mdb)")
+    lock = DataDirLock(data_dir, exclusive=repair, purpose="fsck --repair" if repair else "fsck").acquire()
     tier = LmdbTier(lmdb_dir)
     try:
         report = FsckReport()
@@ -87,6 +89,7 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
         return report
     finally:
         tier.close()
+        lock.release()
 
 
 def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:

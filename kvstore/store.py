@@ -23,6 +23,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, InvalidInputError, StoreFullError
 from kvstore.keys import ROOT_KEY, as_token_array, block_keys, namespace_digest
 from kvstore.leases import Lease, LeaseTable
+from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters, StoreStats
@@ -124,6 +125,11 @@ class TieredStore:
             pin_host_memory=self.config.pin_host_memory,
         )
         self.durable: list[Tier] = []
+        self._lock = None
+        if self.config.data_dir is not None:
+            self._lock = DataDirLock(
+                self.config.data_dir, exclusive=False, purpose="opening a store"
+            ).acquire()
         if self.config.lmdb_dir is not None:
             self.durable.append(
                 create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
@@ -307,6 +313,8 @@ class TieredStore:
             self._closed = True
             for tier in [self.memory, *self.durable]:
                 tier.close()
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> TieredStore:
         return self

@@ -1,0 +1,146 @@
+"""The offline re-layout job: re-order blocks whose importance ranking changed.
+
+For each block whose top tokens (by its current scores, which real queries keep
+updating) differ from its layout by more than `min_change` (1 - Jaccard of the
+top-quarter sets), the job writes the block's chunks in the new order under a
+new layout version, switches the metadata in the same transaction, then deletes
+the old chunks in a second one. Killed at any point, every block is loadable in
+its old or its new layout; old chunks left behind are swept by the next run.
+It takes the data directory's lock exclusively: no server may run beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from importance.layout import chunks_for_top, importance_order, layout_change
+from kvstore.codec import ChunkId, decode_chunk, encode_chunk
+from kvstore.errors import ChecksumError
+from kvstore.lock import DataDirLock
+from kvstore.meta import BlockMeta
+from kvstore.tiers.lmdb import LmdbTier
+
+
+@dataclass
+class RelayoutReport:
+    """What the job found and did. Read amplification is the expected value at `fraction`."""
+
+    blocks_examined: int = 0
+    blocks_scored: int = 0
+    blocks_rewritten: int = 0
+    bytes_written: int = 0
+    stale_chunks_removed: int = 0
+    corrupt_blocks_skipped: int = 0
+    read_amp_before: float = 1.0
+    read_amp_after: float = 1.0
+    dry_run: bool = False
+
+
+def relayout(
+    data_dir: str | Path,
+    min_change: float = 0.2,
+    fraction: float = 0.25,
+    dry_run: bool = False,
+    progress: bool = False,
+) -> RelayoutReport:
+    """Run the job over `data_dir` (see module docstring). Raises DataDirBusyError if in use."""
+    if not 0.0 <= min_change <= 1.0:
+        raise ValueError(f"min_change must be in [0, 1], got {min_change}")
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    lmdb_dir = Path(data_dir) / "lmdb"
+    if not (lmdb_dir / "data.mdb").exists():
+        raise FileNotFoundError(f"no kvsieve store under {data_dir} (expected {lmdb_dir}/data.mdb)")
+    with DataDirLock(data_dir, exclusive=True, purpose="relayout"):
+        tier = LmdbTier(lmdb_dir)
+        try:
+            return _run(tier, min_change, fraction, dry_run, progress)
+        finally:
+            tier.close()
+
+
+def _run(tier: LmdbTier, min_change: float, fraction: float, dry_run: bool, progress: bool) -> RelayoutReport:
+    report = RelayoutReport(dry_run=dry_run)
+    if not dry_run:
+        report.stale_chunks_removed = _sweep_stale_chunks(tier)
+    metas = list(tier.iter_meta())
+    read_before = read_after = wanted = 0
+    for meta in _progress(metas, progress):
+        report.blocks_examined += 1
+        if meta.scores is None:
+            continue
+        report.blocks_scored += 1
+        top = max(1, int(np.ceil(fraction * meta.num_tokens - 1e-9)))
+        wanted += top
+        before = chunks_for_top(meta.scores, meta.permutation, fraction, meta.chunk_tokens)
+        read_before += before * meta.chunk_tokens
+        if layout_change(meta.scores, meta.permutation, fraction) <= min_change:
+            read_after += before * meta.chunk_tokens
+            continue
+        new_perm = importance_order(meta.scores, meta.num_tokens)
+        read_after += chunks_for_top(meta.scores, new_perm, fraction, meta.chunk_tokens) * meta.chunk_tokens
+        if dry_run:
+            report.blocks_rewritten += 1
+            continue
+        written = _rewrite(tier, meta, new_perm)
+        if written is None:
+            report.corrupt_blocks_skipped += 1
+            continue
+        report.blocks_rewritten += 1
+        report.bytes_written += written
+    if wanted:
+        report.read_amp_before = round(read_before / wanted, 4)
+        report.read_amp_after = round(read_after / wanted, 4)
+    return report
+
+
+def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | None:
+    """Write `meta`'s block in the order `new_perm`; None if its chunks are corrupt (fsck's job)."""
+    indices = list(range(meta.num_chunks))
+    block_kv = None
+    codec = "raw"
+    try:
+        for index, data in zip(indices, tier.get_chunks(meta, indices), strict=True):
+            if data is None:
+                return None
+            expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+            chunk = decode_chunk(data, expect)
+            codec = chunk.codec
+            if block_kv is None:
+                shape = (*chunk.kv.shape[:3], meta.num_tokens, chunk.kv.shape[4])
+                block_kv = np.empty(shape, dtype=chunk.kv.dtype)
+            block_kv[:, :, :, meta.chunk_offsets(index)] = chunk.kv
+    except ChecksumError:
+        return None
+    assert block_kv is not None
+    version = meta.layout_version + 1
+    dtype = "bfloat16" if block_kv.dtype.name == "bfloat16" else block_kv.dtype.name
+    chunks = []
+    for index in indices:
+        offsets = new_perm[index * meta.chunk_tokens : (index + 1) * meta.chunk_tokens]
+        cid = ChunkId(meta.fingerprint, meta.namespace, meta.key, version, index)
+        kv = block_kv[:, :, :, offsets]
+        chunks.append(encode_chunk(cid, meta.start + offsets, kv, dtype, codec))
+    new_meta = meta.with_layout(version, new_perm, sum(len(c) for c in chunks))
+    tier.replace_layout(meta, new_meta, chunks)
+    return new_meta.nbytes
+
+
+def _sweep_stale_chunks(tier: LmdbTier) -> int:
+    """Delete chunks of old layouts (left by a job killed between its two transactions)."""
+    current = {m.key: m.layout_version for m in tier.iter_meta()}
+    stale = [k for k in tier.iter_chunk_keys() if current.get(k[:16]) != int.from_bytes(k[16:20], "big")]
+    if stale:
+        tier.delete_chunk_keys(stale)
+    return len(stale)
+
+
+def _progress(metas: list[BlockMeta], enabled: bool) -> list[BlockMeta]:
+    if not enabled:
+        return metas
+    from tqdm import tqdm
+
+    return tqdm(metas, desc="relayout", unit="block")

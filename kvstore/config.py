@@ -24,6 +24,8 @@ class StoreConfig:
         remote_url: redis:// or valkey URL of the shared remote tier; None = no remote tier.
         pin_host_memory: page-lock memory-tier buffers when CUDA is available.
         score_half_life_reports: reported query scores halve in weight after this many reports.
+        memory_policy: what leaves memory first: "score" (lowest access frequency x importance
+            mass) or "lru".
     """
 
     data_dir: Path | None = None
@@ -36,6 +38,7 @@ class StoreConfig:
     remote_url: str | None = None
     pin_host_memory: bool = True
     score_half_life_reports: float = 64.0
+    memory_policy: str = "score"
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:
@@ -53,6 +56,8 @@ class StoreConfig:
             raise InvalidInputError(f"codec must be one of {sorted(CODEC_IDS)}, got {self.codec!r}")
         if not 1 <= self.zstd_level <= 19:
             raise InvalidInputError(f"zstd_level must be in [1, 19], got {self.zstd_level}")
+        if self.memory_policy not in ("score", "lru"):
+            raise InvalidInputError(f"memory_policy must be 'score' or 'lru', got {self.memory_policy!r}")
         if self.score_half_life_reports <= 0:
             raise InvalidInputError(
                 f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"

@@ -28,7 +28,7 @@ from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters, StoreStats
 from kvstore.tiers import Tier, TierFullError, create_tier
-from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.memory import MemoryTier, create_policy
 
 if TYPE_CHECKING:
     from kvstore.tiers.redis import RedisTier
@@ -121,6 +121,7 @@ class TieredStore:
         self.tree = RadixTree(self.config.block_tokens)
         self.memory = MemoryTier(
             self.config.memory_bytes,
+            policy=create_policy(self.config.memory_policy),
             is_pinned=self.tree.is_pinned,
             pin_host_memory=self.config.pin_host_memory,
         )

@@ -161,3 +161,35 @@ def test_lmdb_full_map_with_a_budget_is_a_clear_error(tmp_path: Path) -> None:
         t.put_block(meta, [bytes(80 << 20)])
     assert t.usage().num_blocks == 0
     t.close()
+
+
+def test_score_policy_evicts_low_importance_chunks_first() -> None:
+    from dataclasses import replace
+
+    from kvstore.tiers.memory import ScorePolicy
+
+    a, ca = make_block(40)
+    b, cb = make_block(41)
+    # Importance order: a's chunk 0 holds most of its mass, chunk 3 the least.
+    a = replace(a, scores=np.array([8, 8, 4, 4, 2, 2, 1, 1], dtype=np.float32))
+    b = replace(b, scores=np.array([8, 8, 4, 4, 2, 2, 1, 1], dtype=np.float32))
+    tier = create_tier("memory", capacity_bytes=a.nbytes + b.nbytes // 2, policy=ScorePolicy())
+    tier.put_block(a, ca)
+    tier.put_block(b, cb)  # needs two of a's chunks' room: the two least important go
+    assert [c is not None for c in tier.get_chunks(a, [0, 1, 2, 3])] == [True, True, False, False]
+
+
+def test_score_policy_weighs_access_frequency() -> None:
+    from kvstore.tiers.memory import ScorePolicy
+
+    a, ca = make_block(42)
+    b, cb = make_block(43)
+    c, cc = make_block(44)
+    tier = create_tier("memory", capacity_bytes=2 * a.nbytes, policy=ScorePolicy())
+    tier.put_block(a, ca)
+    tier.put_block(b, cb)
+    for _ in range(3):
+        tier.get_chunks(a, [0, 1, 2, 3])  # a is read often, b never
+    tier.put_block(c, cc)
+    assert all(x is not None for x in tier.get_chunks(a, [0, 1, 2, 3]))
+    assert all(x is None for x in tier.get_chunks(b, [0, 1, 2, 3]))

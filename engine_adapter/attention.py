@@ -41,6 +41,7 @@ class AttentionStats:
     def __init__(self, num_prefix: int, num_layers: int) -> None:
         self.num_prefix = num_prefix
         self.prefill_by_layer: list[np.ndarray[Any, Any] | None] = [None] * num_layers
+        self.raw_by_layer: list[np.ndarray[Any, Any] | None] = [None] * num_layers
         self.history_by_layer: list[np.ndarray[Any, Any] | None] = [None] * num_layers
 
     def observe(self, layer: int, weights: torch.Tensor) -> None:
@@ -49,7 +50,9 @@ class AttentionStats:
         p = self.num_prefix
         new = w[:, p:]
         visible = torch.arange(new.shape[1], 0, -1, dtype=torch.float32)  # queries that see key j
-        self.prefill_by_layer[layer] = (new.sum(dim=0) / visible).numpy()
+        mass = new.sum(dim=0)
+        self.raw_by_layer[layer] = mass.numpy()
+        self.prefill_by_layer[layer] = (mass / visible).numpy()
         if p:
             prefix = w[:, :p]
             per_query = prefix / prefix.sum(dim=1, keepdim=True).clamp_min(1e-12)
@@ -59,6 +62,11 @@ class AttentionStats:
     def prefill(self) -> np.ndarray[Any, Any]:
         """Prefill scores of the new tokens, averaged over layers."""
         return _mean([x for x in self.prefill_by_layer if x is not None])
+
+    @property
+    def prefill_raw(self) -> np.ndarray[Any, Any]:
+        """Raw accumulated mass of the new tokens (the baseline), averaged over layers."""
+        return _mean([x for x in self.raw_by_layer if x is not None])
 
     @property
     def history(self) -> np.ndarray[Any, Any]:

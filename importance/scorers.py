@@ -37,7 +37,10 @@ class PrefixEvidence:
 class Scorer(Protocol):
     """Scores every token of a prefix. Pure: no state, no I/O."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """Short name used in reports and benchmark keys."""
+        ...
 
     def score(self, evidence: PrefixEvidence) -> Array:
         """One float32 per token; higher = load first."""

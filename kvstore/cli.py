@@ -15,7 +15,7 @@ from kvstore.errors import KVSieveError
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
 
-BENCHMARKS = ("store", "transfer", "ttft")
+BENCHMARKS = ("store", "transfer", "ttft", "readamp")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,157 @@
+"""`kvsieve bench readamp`: importance layout vs natural layout, and scorers vs baselines.
+
+Real KV and real attention from SmolLM2-135M over 20 windows of 1,024 tokens of
+Debian's license texts (bench/texts.py). For budgets 0.1, 0.25 and 0.5, in one run:
+read amplification (bytes read / bytes of the selected tokens) with the natural
+and the importance layout; teacher-forced quality against the full prefix (top-1
+agreement and mean KL over 32 continuation tokens) for kvsieve's prefill scorer
+and the baselines; load time at each budget against budget 1.0, cold.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.cache import make_cold
+from bench.texts import token_windows
+from importance.layout import budget_to_tokens, select_chunks
+from importance.scorers import (
+    PrefillScorer,
+    PrefixEvidence,
+    RandomScorer,
+    RawMassScorer,
+    RecentScorer,
+    Scorer,
+    SinkRecentScorer,
+)
+from kvstore.config import StoreConfig
+from kvstore.store import TieredStore
+
+BUDGETS = (0.1, 0.25, 0.5)
+SCORERS: tuple[Scorer, ...] = (
+    PrefillScorer(),
+    RandomScorer(),
+    RecentScorer(),
+    SinkRecentScorer(),
+    RawMassScorer(),
+)
+NAMES = {"prefill": "importance", "random": "random", "recent": "recent", "sink_recent": "sink_recent",
+         "raw_mass": "raw_mass"}  # fmt: skip
+CONTINUATION = 32
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON object `kvsieve bench readamp --json` prints."""
+    from engine_adapter.model import load_model
+
+    lm = load_model(quiet=True)
+    n, count = (512, 3) if quick else (1024, 20)
+    quality: dict[tuple[str, float], list[tuple[float, float]]] = {}
+    amp: dict[tuple[str, float], list[float]] = {}
+    times: dict[float, list[float]] = {}
+    for _, ids in token_windows(lm.tokenizer, n + 1, count, tail=CONTINUATION):
+        with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+            _one_prefix(lm, ids, n, Path(tmp), quality, amp, times)
+    return _summary(lm, n, count, quality, amp, times)
+
+
+def _one_prefix(lm: Any, ids: list[int], n: int, tmp: Path, quality: Any, amp: Any, times: Any) -> None:
+    from engine_adapter.engine import Engine
+
+    prefix, continuation = ids[: n + 1], ids[n + 1 :]
+    kv16, evidence = _prefill(lm, prefix[:n])
+    config = StoreConfig(data_dir=tmp / "store", memory_bytes=1 << 30)
+    with TieredStore(config) as store:
+        for scorer in SCORERS:
+            store.store(prefix[:n], kv16, model=lm.spec, namespace=scorer.name, scores=scorer.score(evidence))
+        reference = Engine(lm, store, namespace="prefill", collect_stats=False).continuation_logits(
+            prefix, continuation, 1.0
+        )
+        for scorer in SCORERS:
+            engine = Engine(lm, store, namespace=scorer.name, collect_stats=False)
+            for budget in BUDGETS:
+                logits = engine.continuation_logits(prefix, continuation, budget)
+                quality.setdefault((scorer.name, budget), []).append(_agreement(reference, logits))
+        for budget in BUDGETS:
+            stream = store.load(prefix[:n], model=lm.spec, namespace="prefill", budget=budget)
+            list(stream)
+            amp.setdefault(("importance", budget), []).append(stream.read_amplification)
+            amp.setdefault(("natural", budget), []).append(
+                _natural_read_amp(store, evidence, n, budget, lm.spec.token_bytes)
+            )
+    for budget in (*BUDGETS, 1.0):
+        times.setdefault(budget, []).append(_cold_load_s(config, prefix[:n], lm.spec, budget))
+
+
+def _prefill(lm: Any, tokens: list[int]) -> tuple[np.ndarray, PrefixEvidence]:
+    """Real KV (fp16, layer-major) and attention evidence of one prefix."""
+    from transformers import DynamicCache
+
+    from engine_adapter.attention import AttentionStats
+
+    stats = AttentionStats(0, lm.spec.num_layers)
+    cache = DynamicCache(config=lm.model.config)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True, kvsieve_stats=stats)
+        kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+    evidence = PrefixEvidence(len(tokens), prefill_normalized=stats.prefill, prefill_raw=stats.prefill_raw)
+    return kv.to(torch.float16).numpy(), evidence
+
+
+def _natural_read_amp(
+    store: TieredStore, evidence: PrefixEvidence, n: int, budget: float, token_bytes: int
+) -> float:
+    """Read amplification of the same selection if blocks were stored in prompt order.
+
+    Uses the store's own selection (importance.layout.select_chunks) with identity
+    layouts, and the encoded size of a chunk.
+    """
+    config = store.config
+    scores = PrefillScorer().score(evidence)
+    blocks = [scores[i : i + config.block_tokens] for i in range(0, n, config.block_tokens)]
+    selection = select_chunks(blocks, budget_to_tokens(budget, n), config.chunk_tokens)
+    chunk_bytes = store.stats().tiers["lmdb"].used_bytes / store.stats().tiers["lmdb"].num_chunks
+    read = sum(len(s.chunks) for s in selection) * chunk_bytes
+    return float(read / (sum(s.selected_tokens for s in selection) * token_bytes))
+
+
+def _cold_load_s(config: StoreConfig, tokens: list[int], spec: Any, budget: float) -> float:
+    make_cold(config.lmdb_dir / "data.mdb", drop_all=False)  # type: ignore[operator]
+    with TieredStore(config) as store:
+        t0 = time.perf_counter()
+        with store.load(tokens, model=spec, namespace="prefill", budget=budget) as stream:
+            stream.gather(spec)
+        return time.perf_counter() - t0
+
+
+def _agreement(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    top1 = float((reference.argmax(-1) == other.argmax(-1)).float().mean())
+    p = torch.log_softmax(reference.float(), dim=-1)
+    q = torch.log_softmax(other.float(), dim=-1)
+    return top1, float((p.exp() * (p - q)).sum(dim=-1).mean())
+
+
+def _summary(lm: Any, n: int, count: int, quality: Any, amp: Any, times: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": lm.spec.name, "text": "Debian /usr/share/common-licenses"}
+    out |= {"prefixes": count, "prefix_tokens": n, "continuation_tokens": CONTINUATION}
+    full = statistics.median(times[1.0])
+    for budget in BUDGETS:
+        tag = f"{budget:g}".replace(".", "_")
+        for layout in ("importance", "natural"):
+            out[f"read_amp_{layout}_{tag}"] = round(float(np.mean(amp[(layout, budget)])), 4)
+        out[f"bytes_read_fraction_importance_{tag}"] = round(budget * out[f"read_amp_importance_{tag}"], 4)
+        out[f"bytes_read_fraction_natural_{tag}"] = round(budget * out[f"read_amp_natural_{tag}"], 4)
+        for scorer in SCORERS:
+            pairs = quality[(scorer.name, budget)]
+            out[f"top1_{NAMES[scorer.name]}_{tag}"] = round(float(np.mean([p[0] for p in pairs])), 4)
+            out[f"kl_{NAMES[scorer.name]}_{tag}"] = round(float(np.mean([p[1] for p in pairs])), 4)
+        out[f"load_time_ratio_{tag}"] = round(statistics.median(times[budget]) / full, 3)
+    out["load_s_budget_1"] = round(full, 4)
+    return out

@@ -170,6 +170,11 @@ class Engine:
         )
         return out.logits
 
+    @torch.inference_mode()
+    def extend(self, ids: Sequence[int], start: int, cache: Any) -> torch.Tensor:
+        """Compute `ids` at positions start.. on top of `cache` (appended in place); their logits."""
+        return self._forward(ids, start, cache, None)[0]
+
     def _store_new(self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None) -> int:
         block = self._block_tokens()
         if self.store is None or block is None or len(ids) // block * block <= start:

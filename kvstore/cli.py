@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     p.add_argument("--json", action="store_true", help="print one JSON object (stable keys)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    p.add_argument("--plot", type=Path, help="also write a PNG plot (ttft, readamp; needs matplotlib)")
     p.set_defaults(handler=_cmd_bench)
     return parser
 
@@ -248,6 +249,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     module = importlib.import_module(f"bench.{args.name}_bench")
     result = module.run(quick=args.quick)
+    if args.plot:
+        from bench import plots
+
+        getattr(plots, f"plot_{args.name}")(result, args.plot)
     if args.json:
         print(json.dumps(result))
     else:

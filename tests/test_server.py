@@ -331,3 +331,17 @@ def test_stats_command_against_a_server(sidecar: Sidecar) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
     figures = json.loads(out.stdout)
     assert "lmdb" in figures["tiers"] and "counters" in figures
+
+
+def test_loaded_kv_moves_to_a_device_or_stays_on_cpu(sidecar: Sidecar) -> None:
+    from kvstore.device import to_device
+
+    tokens, kv = make_tokens(64, seed=15), make_kv(TINY, 64, seed=15)
+    with KVClient(sidecar.address, use_shm=True) as client:
+        client.store(tokens, kv, model=TINY, namespace="device")
+        with client.load(tokens, model=TINY, namespace="device") as stream:
+            _, arena_view = stream.gather(TINY)
+            tensor = to_device(arena_view, "cuda")
+    # No CUDA here: a CPU tensor that owns its data, valid after the arena is reused.
+    assert tensor.device.type in ("cpu", "cuda")
+    assert tensor.cpu().numpy().tobytes() == kv.tobytes()

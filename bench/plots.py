@@ -1,0 +1,67 @@
+"""PNG plots of benchmark results (matplotlib, from the `bench` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft(result: dict[str, Any], path: Path) -> None:
+    """TTFT against prefix length for the four modes (log scale)."""
+    plt = _pyplot()
+    lengths = result["prefix_lengths"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    modes = {
+        "recompute": "(a) recompute",
+        "memory": "(b) load all, memory tier",
+        "disk": "(c) load all, disk tier, cold",
+        "budget": "(d) load top 25 %, cold",
+    }
+    for mode, label in modes.items():
+        ax.plot(lengths, [result[f"ttft_{mode}_s_{n}"] for n in lengths], marker="o", label=label)
+    ax.set_xlabel("prefix tokens (+ 32-token question)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.set_xticks(lengths)
+    ax.set_title(f"TTFT, {result['model']}, 2 CPU cores")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_readamp(result: dict[str, Any], path: Path) -> None:
+    """Quality (top-1 agreement) per scorer and bytes read per layout, against budget."""
+    plt = _pyplot()
+    budgets = [0.1, 0.25, 0.5]
+    tags = [f"{b:g}".replace(".", "_") for b in budgets]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("importance", "sink_recent", "recent", "raw_mass", "random"):
+        left.plot(budgets, [result[f"top1_{name}_{t}"] for t in tags], marker="o", label=name)
+    left.set_xlabel("budget (fraction of prefix tokens)")
+    left.set_ylabel("top-1 agreement with the full prefix")
+    left.set_title("quality")
+    left.grid(True, alpha=0.3)
+    left.legend()
+    for layout in ("importance", "natural"):
+        right.plot(budgets, [result[f"bytes_read_fraction_{layout}_{t}"] for t in tags], marker="o",
+                   label=f"{layout} layout")  # fmt: skip
+    right.plot(budgets, budgets, linestyle="--", color="grey", label="ideal (bytes = budget)")
+    right.set_xlabel("budget (fraction of prefix tokens)")
+    right.set_ylabel("fraction of the prefix's bytes read")
+    right.set_title("bytes read")
+    right.grid(True, alpha=0.3)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,82 @@
+"""Branch contexts: token history plus KV cache, forked copy-on-write, decoded in batches.
+
+A fork shares its parent's KV tensors; appending to a DynamicCache concatenates
+into new tensors, so the parent's are never written: copy on write for free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def share_cache(cache: Any, config: Any) -> Any:
+    """A new DynamicCache whose layers reference `cache`'s tensors (no copy)."""
+    from transformers import DynamicCache
+
+    shared = DynamicCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            shared.update(layer.keys, layer.values, index)
+    return shared
+
+
+def cache_length(cache: Any) -> int:
+    """Tokens held by a cache."""
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+@dataclass
+class Context:
+    """One branch's conversation: computed tokens (in `cache`) and tokens still to compute."""
+
+    tokens: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    cache: Any = None
+    logits: torch.Tensor | None = None  # of the last computed token
+
+    @property
+    def next_position(self) -> int:
+        """Position of the next token to compute."""
+        return len(self.tokens)
+
+
+def batched_step(
+    model: Any, caches: list[Any], tokens: list[int], positions: list[int]
+) -> tuple[torch.Tensor, list[Any]]:
+    """One decode step for several branches at once.
+
+    Caches of different lengths are left-padded into one batch with an attention
+    mask; each branch's new cache is its row of the result (views, no copy).
+    Returns logits (batch, vocab) and the new caches.
+    """
+    from transformers import DynamicCache
+
+    lengths = [cache_length(c) for c in caches]
+    width = max(lengths)
+    batch = DynamicCache(config=model.config)
+    for index in range(len(caches[0].layers)):
+        first = caches[0].layers[index].keys
+        shape = (len(caches), first.shape[1], width, first.shape[3])
+        keys, values = first.new_zeros(shape), first.new_zeros(shape)
+        for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
+            keys[row, :, width - length :] = cache.layers[index].keys[0]
+            values[row, :, width - length :] = cache.layers[index].values[0]
+        batch.update(keys, values, index)
+    mask = torch.zeros(len(caches), width + 1, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    out = model(
+        input_ids=torch.tensor(tokens).unsqueeze(1), attention_mask=mask,
+        position_ids=torch.tensor(positions).unsqueeze(1), past_key_values=batch, use_cache=True,
+    )  # fmt: skip
+    rows = []
+    for row, length in enumerate(lengths):
+        own = DynamicCache(config=model.config)
+        for index, layer in enumerate(batch.layers):
+            start = width - length
+            own.update(layer.keys[row : row + 1, :, start:], layer.values[row : row + 1, :, start:], index)
+        rows.append(own)
+    return out.logits[:, -1], rows

@@ -92,17 +92,11 @@ def _one_prefix(lm: Any, ids: list[int], n: int, tmp: Path, quality: Any, amp: A
 
 def _prefill(lm: Any, tokens: list[int]) -> tuple[np.ndarray, PrefixEvidence]:
     """Real KV (fp16, layer-major) and attention evidence of one prefix."""
-    from transformers import DynamicCache
+    from engine_adapter.engine import Engine
 
-    from engine_adapter.attention import AttentionStats
-
-    stats = AttentionStats(0, lm.spec.num_layers)
-    cache = DynamicCache(config=lm.model.config)
-    with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True, kvsieve_stats=stats)
-        kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+    kv16, stats = Engine(lm, None).analyze(tokens)
     evidence = PrefixEvidence(len(tokens), prefill_normalized=stats.prefill, prefill_raw=stats.prefill_raw)
-    return kv.to(torch.float16).numpy(), evidence
+    return kv16, evidence
 
 
 def _natural_read_amp(

@@ -171,6 +171,17 @@ class Engine:
         return out.logits
 
     @torch.inference_mode()
+    def analyze(self, ids: Sequence[int]) -> tuple[np.ndarray[Any, Any], AttentionStats]:
+        """Compute a prefix from scratch: its KV (fp16, layer-major) and attention statistics."""
+        from transformers import DynamicCache
+
+        stats = AttentionStats(0, self.lm.spec.num_layers)
+        cache = DynamicCache(config=self.lm.model.config)
+        self._forward(ids, 0, cache, stats)
+        kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+        return kv.to(torch.float16).numpy(), stats
+
+    @torch.inference_mode()
     def extend(self, ids: Sequence[int], start: int, cache: Any) -> torch.Tensor:
         """Compute `ids` at positions start.. on top of `cache` (appended in place); their logits."""
         return self._forward(ids, start, cache, None)[0]

@@ -12,6 +12,7 @@ the consumer stops reading (client disconnect).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -322,10 +323,8 @@ class ProgramRun:
                 branch.steps.close()
             branch.ctx = Context()
         if self._lease is not None and self.engine.store is not None and not self.keep:
-            try:
+            with contextlib.suppress(KeyError):  # already expired
                 self.engine.store.unpin(self._lease)
-            except KeyError:
-                pass  # already expired
             self._lease = None
 
     def _message(self, role: str, text: str) -> list[int]:

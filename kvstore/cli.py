@@ -15,7 +15,7 @@ from kvstore.errors import KVSieveError
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
 
-BENCHMARKS = ("store", "transfer", "ttft", "readamp")
+BENCHMARKS = ("store", "transfer", "ttft", "readamp", "dsl")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +62,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="say where the time went")
     p.set_defaults(handler=_cmd_generate)
+
+    p = sub.add_parser(
+        "run",
+        help="run a decoder-DSL program on the attached model",
+        description="Run PROGRAM (a .kvs file, see examples/) with --arg name=value for each of its "
+        "parameters. Yields are printed as they arrive.",
+    )
+    p.add_argument("program", type=Path, help="the program file")
+    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
+    where.add_argument("--data-dir", type=Path, help="embedded store directory")
+    p.add_argument("--token", help="bearer token for --store")
+    p.add_argument("--namespace", default="default", help="tenant / cache salt (default: default)")
+    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the program's prefix pinned until its lease expires"
+    )
+    p.add_argument("--json", action="store_true", help="JSON lines: kind, name, value, elapsed_s")
+    p.set_defaults(handler=_cmd_run)
+
+    p = sub.add_parser(
+        "engine",
+        help="serve RunProgram (decoder-DSL programs) over gRPC on the attached model",
+        description="An engine server: runs programs sent over gRPC (proto/kvsieve/v1/engine.proto) "
+        "on the model, with prefix KV in a kvsieve sidecar (--store) or an embedded store (--data-dir).",
+    )
+    p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (default 127.0.0.1:50061)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
+    where.add_argument("--data-dir", type=Path, help="embedded store directory")
+    p.add_argument("--token", help="bearer token for --store")
+    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    p.set_defaults(handler=_cmd_engine)
 
     p = sub.add_parser(
         "serve",
@@ -115,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine_adapter.engine import Engine
-    from engine_adapter.model import cache_dir, load_model
+    from engine_adapter.model import load_model
     from engine_adapter.sampling import Sampling
 
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
@@ -123,16 +157,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         {"role": "user", "content": args.prompt}
     ]
     lm = load_model(args.model)
-    store: Any = None
-    if args.store:
-        from kvstore.client import KVClient
-
-        store = KVClient(args.store, token=args.token)
-    elif not args.no_store:
-        from kvstore.store import TieredStore
-
-        data_dir = args.data_dir or build_config(StoreConfig).data_dir or cache_dir() / "data"
-        store = TieredStore(build_config(StoreConfig, overrides={"data_dir": data_dir}))
+    store = _open_store(args)
     try:
         result = Engine(lm, store, namespace=args.namespace).generate(messages, sampling, budget=args.budget)
     finally:
@@ -151,6 +176,73 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from engine_adapter.dsl import plan, run_program
+    from engine_adapter.dsl.plan import check_args
+    from engine_adapter.engine import Engine
+    from engine_adapter.model import load_model
+
+    source = args.program.read_text()
+    values = dict(_key_value(item) for item in args.arg)
+    check_args(plan(source), values)  # bad programs and arguments fail before the model loads
+    store = _open_store(args)
+    exit_code = 0
+    try:
+        engine = Engine(load_model(args.model), store, namespace=args.namespace)
+        for event in run_program(engine, source, values, keep=args.keep):
+            if args.json:
+                print(json.dumps({"kind": event.kind, "name": event.name, "value": event.value,
+                                  "elapsed_s": event.elapsed_s}), flush=True)  # fmt: skip
+            elif event.kind == "yield":
+                value = "\n".join(event.value) if isinstance(event.value, list) else event.value
+                print(f"[{event.elapsed_s:7.2f}s] {event.name}: {value}", flush=True)
+            elif event.kind == "error":
+                print(f"kvsieve run: error: {event.value}", file=sys.stderr)
+            exit_code = 1 if event.kind == "error" else exit_code
+    finally:
+        if store is not None:
+            store.close()
+    return exit_code
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine_adapter.engine import Engine
+    from engine_adapter.model import load_model
+    from engine_adapter.server import serve_engine
+
+    store = _open_store(args)
+    try:
+        asyncio.run(serve_engine(Engine(load_model(args.model), store), args.listen))
+    finally:
+        if store is not None:
+            store.close()
+    return 0
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--arg must be NAME=VALUE, got {item!r}")
+    return name, value
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    """The store a model command uses: a sidecar client, or an embedded store."""
+    if getattr(args, "no_store", False):
+        return None
+    if args.store:
+        from kvstore.client import KVClient
+
+        return KVClient(args.store, token=args.token)
+    from engine_adapter.model import cache_dir
+    from kvstore.store import TieredStore
+
+    data_dir = args.data_dir or build_config(StoreConfig).data_dir or cache_dir() / "data"
+    return TieredStore(build_config(StoreConfig, overrides={"data_dir": data_dir}))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -262,7 +262,6 @@ def check_args(plan_: Plan, args: dict[str, Any]) -> dict[str, str]:
     missing = [p for p in params if p not in args]
     unknown = sorted(set(args) - set(params))
     if missing or unknown:
-        raise ProgramError(
-            f"program {plan_.syntax.name}({', '.join(params)}): missing {missing}, unknown {unknown}"
-        )
+        signature = f"{plan_.syntax.name}({', '.join(params)})"
+        raise ProgramError(f"program {signature}: missing arguments {missing}, unknown arguments {unknown}")
     return {k: str(v) for k, v in args.items()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +93,16 @@ class _Branch:
 class ProgramRun:
     """One execution of a plan. Iterate `events()` to run it."""
 
-    def __init__(self, engine: Engine, plan: Plan, args: dict[str, Any], keep: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        plan: Plan,
+        args: dict[str, Any],
+        keep: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
         self.engine, self.plan, self.keep = engine, plan, keep
+        self._cancelled = cancelled or (lambda: False)
         self.args = check_args(plan, args)
         self.stats = RunStats()
         self._branches: dict[str, _Branch] = {}
@@ -351,6 +359,8 @@ class ProgramRun:
         return round(time.perf_counter() - self._started, 4)
 
     def _check_deadline(self) -> None:
+        if self._cancelled():
+            raise ProgramRuntimeError("cancelled by the client")
         if self._elapsed() > self.plan.limits.deadline_s:
             raise ProgramRuntimeError(f"deadline of {self.plan.limits.deadline_s} s exceeded")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvstore.alloc import keep_large_buffers
 from kvstore.model import ModelSpec
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -68,6 +69,9 @@ def load_model(path: str | Path | None = None, quiet: bool = False) -> LoadedMod
 
     hf_logging.disable_progress_bar()  # a bar per load is noise in a CLI that loads every run
     register_attention()
+    # Every decode step concatenates each layer's cache into a new tensor of a few MB:
+    # keep freed buffers in the heap instead of faulting in fresh pages each time.
+    keep_large_buffers()
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         source, local_files_only=True, dtype=torch.float32, attn_implementation="kvsieve"

@@ -251,13 +251,23 @@ def test_malformed_streams_are_rejected_and_the_server_keeps_serving(sidecar: Si
         assert client.lookup(tokens, model=TINY, namespace="malformed").num_tokens == 64
 
 
-def test_deadline_is_honoured(sidecar: Sidecar) -> None:
-    with (
-        KVClient(sidecar.address, timeout_s=0.000001) as client,
-        pytest.raises(RpcFailedError) as info,
-    ):
-        client.lookup(make_tokens(64), model=TINY)
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+def test_deadline_is_honoured_and_nothing_is_stored(sidecar: Sidecar) -> None:
+    import time
+
+    tokens = make_tokens(64, seed=16)
+
+    def slow_stream():  # type: ignore[no-untyped-def]
+        yield pb.StoreRequest(header=pb.StoreHeader(ctx=ctx_to_pb(TINY, "deadline"), tokens=tokens.tolist()))
+        time.sleep(1.0)  # the client stalls past its own deadline
+        yield pb.StoreRequest(
+            slice=pb.KVSlice(start_token=0, num_tokens=64, data=make_kv(TINY, 64).tobytes())
+        )
+
+    with grpc.insecure_channel(sidecar.address) as channel, pytest.raises(grpc.RpcError) as info:
+        pb_grpc.KVCacheStub(channel).Store(slow_stream(), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with KVClient(sidecar.address) as client:
+        assert client.lookup(tokens, model=TINY, namespace="deadline").num_tokens == 0
 
 
 @pytest.mark.skipif(not shm.available(), reason="no /dev/shm")

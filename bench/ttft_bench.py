@@ -47,8 +47,20 @@ def run(quick: bool = False) -> dict[str, Any]:
         out["ttft_speedup_disk_2048"] = round(out[f"ttft_recompute_s_{top}"] / out[f"ttft_disk_s_{top}"], 2)
         out["ttft_speedup_budget_2048"] = round(out[f"ttft_disk_s_{top}"] / out[f"ttft_budget_s_{top}"], 2)
         out |= _quality(lm, Path(tmp) / "quality", 256 if quick else 1024, 3 if quick else 10)
+    out |= _stats_overhead(lm, lengths[-1])
     out["prefix_lengths"] = list(lengths)
     return out
+
+
+def _stats_overhead(lm: Any, n: int) -> dict[str, Any]:
+    """Prefill time with attention statistics (explicit attention) over without (sdpa)."""
+    from engine_adapter.engine import Engine
+
+    ids = token_windows(lm.tokenizer, n, 1)[0][1]
+    plain = statistics.median(_ttft(Engine(lm, None, collect_stats=False), ids, 1.0) for _ in range(2))
+    stats = statistics.median(_ttft(Engine(lm, None, collect_stats=True), ids, 1.0) for _ in range(2))
+    return {"stats_prefill_s": round(stats, 3), "plain_prefill_s": round(plain, 3),
+            "stats_overhead": round(stats / plain, 3), "stats_overhead_tokens": n}  # fmt: skip
 
 
 def _question(lm: Any) -> list[int]:

@@ -48,13 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the user message")
     p.add_argument("--system", help="a system message before it")
     p.add_argument("--budget", type=float, default=1.0, help="fraction of the cached prefix to load, (0, 1]")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
-    where.add_argument("--data-dir", type=Path, help="embedded store directory")
-    where.add_argument("--no-store", action="store_true", help="recompute everything")
-    p.add_argument("--token", help="bearer token for --store")
-    p.add_argument("--namespace", default="default", help="tenant / cache salt (default: default)")
-    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    _add_model_flags(p, no_store=True)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -71,12 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("program", type=Path, help="the program file")
     p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
-    where.add_argument("--data-dir", type=Path, help="embedded store directory")
-    p.add_argument("--token", help="bearer token for --store")
-    p.add_argument("--namespace", default="default", help="tenant / cache salt (default: default)")
-    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    _add_model_flags(p)
     p.add_argument(
         "--keep", action="store_true", help="keep the program's prefix pinned until its lease expires"
     )
@@ -90,11 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         "on the model, with prefix KV in a kvsieve sidecar (--store) or an embedded store (--data-dir).",
     )
     p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (default 127.0.0.1:50061)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
-    where.add_argument("--data-dir", type=Path, help="embedded store directory")
-    p.add_argument("--token", help="bearer token for --store")
-    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    _add_model_flags(p, namespace=False)
     p.set_defaults(handler=_cmd_engine)
 
     p = sub.add_parser(
@@ -145,6 +130,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, help="also write a PNG plot (ttft, readamp; needs matplotlib)")
     p.set_defaults(handler=_cmd_bench)
     return parser
+
+
+def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespace: bool = True) -> None:
+    """Flags of the commands that run the model: where KV lives, whose it is, which model."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
+    where.add_argument(
+        "--data-dir", type=Path, help="embedded store directory (default ~/.cache/kvsieve/data)"
+    )
+    if no_store:
+        where.add_argument("--no-store", action="store_true", help="recompute everything")
+    p.add_argument("--token", help="bearer token for --store")
+    if namespace:
+        p.add_argument("--namespace", default="default", help="tenant / cache salt (default: default)")
+    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

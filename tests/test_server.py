@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import TINY, make_kv, make_tokens
 
-from bench.sidecar import Sidecar
+from bench.sidecar import Sidecar, free_port
 from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
@@ -355,3 +355,40 @@ def test_loaded_kv_moves_to_a_device_or_stays_on_cpu(sidecar: Sidecar) -> None:
     # No CUDA here: a CPU tensor that owns its data, valid after the arena is reused.
     assert tensor.device.type in ("cpu", "cuda")
     assert tensor.cpu().numpy().tobytes() == kv.tobytes()
+
+
+def test_tls_serves_only_encrypted_clients(tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--metrics-listen", "",
+           "--data-dir", str(tmp_path / "data"), "--tls-cert", str(cert), "--tls-key", str(key),
+           "--block-tokens", "32", "--chunk-tokens", "8"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        tokens, kv = make_tokens(32, seed=17), make_kv(TINY, 32, seed=17)
+        with KVClient(address, root_certificates=cert.read_bytes(), timeout_s=30) as client:
+            for _ in range(100):  # wait for the server to come up
+                try:
+                    client.store(tokens, kv, model=TINY)
+                    break
+                except RpcFailedError:
+                    time.sleep(0.1)
+            assert client.lookup(tokens, model=TINY).num_tokens == 32
+        with KVClient(address, timeout_s=5) as plaintext, pytest.raises(RpcFailedError):
+            plaintext.lookup(tokens, model=TINY)
+    finally:
+        proc.kill()
+        proc.wait(10)

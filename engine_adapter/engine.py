@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine_adapter.attention import AttentionStats
+from engine_adapter.cache import cache_from
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling, cut_at_stop, next_tokens
 
@@ -154,8 +155,7 @@ class Engine:
             order = np.argsort(positions, kind="stable")
             positions = positions[order]
             tensor = torch.from_numpy(np.ascontiguousarray(kv[:, :, :, order])).to(torch.float32)
-        for layer in range(self.lm.spec.num_layers):
-            cache.update(tensor[layer, 0].unsqueeze(0), tensor[layer, 1].unsqueeze(0), layer)
+        cache = cache_from(self.lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
         timings.load_s = time.perf_counter() - t0
         return positions, cache, covered
 

@@ -1,8 +1,4 @@
-"""Branch contexts: token history plus KV cache, forked copy-on-write, decoded in batches.
-
-A fork shares its parent's KV tensors; appending to a DynamicCache concatenates
-into new tensors, so the parent's are never written: copy on write for free.
-"""
+"""Branch contexts (token history plus KV cache) and one decode step for several branches."""
 
 from __future__ import annotations
 
@@ -11,16 +7,7 @@ from typing import Any
 
 import torch
 
-
-def share_cache(cache: Any, config: Any) -> Any:
-    """A new DynamicCache whose layers reference `cache`'s tensors (no copy)."""
-    from transformers import DynamicCache
-
-    shared = DynamicCache(config=config)
-    for index, layer in enumerate(cache.layers):
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            shared.update(layer.keys, layer.values, index)
-    return shared
+from engine_adapter.cache import cache_from
 
 
 def cache_length(cache: Any) -> int:
@@ -52,11 +39,9 @@ def batched_step(
     mask; each branch's new cache is its row of the result (views, no copy).
     Returns logits (batch, vocab) and the new caches.
     """
-    from transformers import DynamicCache
-
     lengths = [cache_length(c) for c in caches]
     width = max(lengths)
-    batch = DynamicCache(config=model.config)
+    pairs = []
     for index in range(len(caches[0].layers)):
         first = caches[0].layers[index].keys
         shape = (len(caches), first.shape[1], width, first.shape[3])
@@ -64,7 +49,8 @@ def batched_step(
         for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
             keys[row, :, width - length :] = cache.layers[index].keys[0]
             values[row, :, width - length :] = cache.layers[index].values[0]
-        batch.update(keys, values, index)
+        pairs.append((keys, values))
+    batch = cache_from(model.config, pairs)
     mask = torch.zeros(len(caches), width + 1, dtype=torch.long)
     for row, length in enumerate(lengths):
         mask[row, width - length :] = 1
@@ -74,9 +60,10 @@ def batched_step(
     )  # fmt: skip
     rows = []
     for row, length in enumerate(lengths):
-        own = DynamicCache(config=model.config)
-        for index, layer in enumerate(batch.layers):
-            start = width - length
-            own.update(layer.keys[row : row + 1, :, start:], layer.values[row : row + 1, :, start:], index)
-        rows.append(own)
+        start = width - length
+        pairs = [
+            (layer.keys[row : row + 1, :, start:], layer.values[row : row + 1, :, start:])
+            for layer in batch.layers
+        ]
+        rows.append(cache_from(model.config, pairs))
     return out.logits[:, -1], rows

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from engine_adapter.dsl.context import Context, batched_step, share_cache
+from engine_adapter.cache import share_cache
+from engine_adapter.dsl.context import Context, batched_step
 from engine_adapter.dsl.errors import ProgramRuntimeError
 from engine_adapter.dsl.plan import PLACEHOLDER, GenOp, Plan, check_args
 from engine_adapter.dsl.syntax import (

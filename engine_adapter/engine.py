@@ -188,8 +188,10 @@ class Engine:
 
     def _store_new(self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None) -> int:
         block = self._block_tokens()
-        if self.store is None or block is None or len(ids) // block * block <= start:
+        if self.store is None or len(ids) <= start:
             return 0
+        if block is not None and len(ids) // block * block <= start:
+            return 0  # no new full block: skip building the KV array
         layers = cache.layers
         kv = torch.stack(
             [
@@ -213,8 +215,9 @@ class Engine:
             )
 
     def _block_tokens(self) -> int | None:
+        """Block size of an embedded store; None for a sidecar (it drops partial blocks itself)."""
         config = getattr(self.store, "config", None)
-        return int(config.block_tokens) if config is not None else 256
+        return int(config.block_tokens) if config is not None else None
 
     # -- decode -------------------------------------------------------------------
 

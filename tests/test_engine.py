@@ -174,3 +174,18 @@ def test_generate_command_reports_where_time_went(tmp_path: Path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "computed" in result.stderr and "prefill" in result.stderr and result.stdout.strip()
+
+
+def test_short_prompts_are_stored_through_a_sidecar(lm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from engine_adapter.engine import Engine
+
+    server = Sidecar(tmp_path / "data").start()  # 32-token blocks: the engine cannot know that
+    try:
+        with KVClient(server.address) as client:
+            engine = Engine(lm, client)
+            ids = engine.encode("Name three colours of the rainbow, please, in a short list.")
+            assert 32 < len(ids) < 256
+            assert engine.prefill(ids).stored_blocks == len(ids) // 32
+            assert engine.prefill(ids).matched_tokens == (len(ids) - 1) // 32 * 32
+    finally:
+        server.kill()

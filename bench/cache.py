@@ -13,10 +13,7 @@ def make_cold(*files: Path, drop_all: bool = True) -> str:
     `drop_all=False` evicts only `files` (fadvise): a benchmark whose model weights
     are memory-mapped must not have them dropped too. Files must not be mapped then.
     """
-    for path in files:
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno()) if os.access(path, os.W_OK) else None
-    os.sync()
+    os.sync()  # only clean pages can be dropped
     if drop_all:
         try:
             with open("/proc/sys/vm/drop_caches", "w") as fh:

@@ -117,7 +117,7 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
         return None
     assert block_kv is not None
     version = meta.layout_version + 1
-    dtype = "bfloat16" if block_kv.dtype.name == "bfloat16" else block_kv.dtype.name
+    dtype = block_kv.dtype.name  # "float16" | "bfloat16" (ml_dtypes) | "float32"
     chunks = []
     for index in indices:
         offsets = new_perm[index * meta.chunk_tokens : (index + 1) * meta.chunk_tokens]

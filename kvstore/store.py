@@ -357,13 +357,11 @@ class TieredStore:
         for block_index, (meta, chunk_indices) in enumerate(zip(metas, wanted, strict=True)):
             try:
                 chunks = self._read_block(meta, block_index, chunk_indices)
+                failure = "chunk_misses" if chunks is None else ""  # None: evicted from every tier
             except ChecksumError:
-                self.counters.add("checksum_failures")
-                self._forget(meta.key)
-                stream.num_tokens = block_index * self.config.block_tokens
-                break
-            if chunks is None:  # evicted from every tier behind our back
-                self.counters.add("chunk_misses")
+                chunks, failure = None, "checksum_failures"
+            if chunks is None:  # this block and all after it become a miss
+                self.counters.add(failure)
                 self._forget(meta.key)
                 stream.num_tokens = block_index * self.config.block_tokens
                 break
@@ -412,7 +410,7 @@ class TieredStore:
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
         if self.config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
             cid = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
-            data = memoryview(encode_chunk(cid, chunk.positions, chunk.kv, _dtype_name(chunk.kv), "raw"))
+            data = memoryview(encode_chunk(cid, chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw"))
         self.memory.put_chunk(meta, index, data)
 
     def _forget(self, key: bytes) -> None:
@@ -482,10 +480,6 @@ def _slot_scores(meta: BlockMeta) -> Array:
     if meta.scores is None:
         return np.zeros(meta.num_tokens, dtype=np.float32)
     return meta.scores[meta.permutation]
-
-
-def _dtype_name(kv: Array) -> str:
-    return "bfloat16" if kv.dtype.name == "bfloat16" else kv.dtype.name
 
 
 def _reencode_raw(data: bytes, model: ModelSpec) -> bytes:

@@ -15,7 +15,15 @@ from kvstore.errors import KVSieveError
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
 
-BENCHMARKS = ("store", "transfer", "ttft", "readamp", "dsl")
+
+def _benchmarks() -> tuple[str, ...]:
+    """Names of the system benchmarks: every `bench/NAME_bench.py`, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("bench")
+    folders = spec.submodule_search_locations if spec is not None else None
+    names = (p.name.removesuffix("_bench.py") for f in folders or [] for p in Path(f).glob("*_bench.py"))
+    return tuple(sorted(names))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_relayout)
 
     p = sub.add_parser("bench", help="run a system benchmark and print its figures")
-    p.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    p.add_argument("name", choices=_benchmarks(), help="which benchmark")
     p.add_argument("--json", action="store_true", help="print one JSON object (stable keys)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.add_argument("--plot", type=Path, help="also write a PNG plot (ttft, readamp; needs matplotlib)")

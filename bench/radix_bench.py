@@ -100,6 +100,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     sglang = run_sglang(trace)
     out |= sglang
     if "match_us_sglang" in sglang:
+        # Both trees replayed the same trace: they must hold and hit the same blocks.
+        ours_blocks = (out["cached_blocks"], out["hit_blocks"])
+        if (sglang["cached_blocks_sglang"], sglang["hit_blocks_sglang"]) != ours_blocks:
+            raise RuntimeError(f"the trees disagree on (cached, hit) blocks: {sglang} vs {ours_blocks}")
         ours = out["match_us_kvsieve"] + out["insert_us_kvsieve"]
         theirs = sglang["match_us_sglang"] + sglang["insert_us_sglang"]
         out["radix_speedup_vs_sglang"] = round(theirs / ours, 2)
@@ -170,7 +174,8 @@ def run_sglang(trace: Trace) -> dict[str, Any]:
     """
     python = sglang_python()
     if not python.exists():
-        return {"sglang_unavailable": f"no SGLang environment at {python}: build it with bash bench/setup_sglang.sh"}
+        reason = f"no SGLang environment at {python}: build it with bash bench/setup_sglang.sh"
+        return {"sglang_unavailable": reason}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.npz"
         np.savez(path, **trace._asdict(), block_tokens=BLOCK_TOKENS)

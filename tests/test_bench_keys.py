@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -15,6 +16,15 @@ PUBLISHED = {
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5",
+    "radix": "match_us_kvsieve insert_us_kvsieve bytes_per_block_kvsieve",
+}
+# A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
+# otherwise the first key, a string, says why, and none of the peer's keys is printed.
+PEER_KEYS = {
+    "radix": (
+        "sglang_unavailable",
+        "match_us_sglang insert_us_sglang bytes_per_block_sglang radix_speedup_vs_sglang",
+    ),
 }
 
 
@@ -25,6 +35,7 @@ PUBLISHED = {
         "transfer",
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
+        "radix",
     ],
 )
 def test_benchmark_prints_its_published_keys(name: str) -> None:
@@ -35,3 +46,16 @@ def test_benchmark_prints_its_published_keys(name: str) -> None:
     missing = [key for key in PUBLISHED[name].split() if key not in figures]
     assert not missing
     assert all(isinstance(figures[key], int | float) for key in PUBLISHED[name].split())
+    if name in PEER_KEYS:
+        _check_peer_keys(name, figures, *PEER_KEYS[name])
+
+
+def _check_peer_keys(name: str, figures: dict[str, object], reason_key: str, keys: str) -> None:
+    """All the peer's figures, or none of them and a stated reason (shown as a warning)."""
+    if reason_key in figures:
+        reason = figures[reason_key]
+        assert isinstance(reason, str) and reason
+        assert not [key for key in keys.split() if key in figures]
+        warnings.warn(f"bench {name}: peer not measured: {reason}", stacklevel=2)
+    else:
+        assert all(isinstance(figures[key], int | float) for key in keys.split())

@@ -62,7 +62,9 @@ def client_side(messages: list[bytes]) -> list[LoadedChunk]:
 
 def load_request() -> bytes:
     tokens = np.random.default_rng(1).integers(0, 49_152, PREFIX_TOKENS)
-    return pb.LoadRequest(ctx=ctx_to_pb(MODEL, "default"), tokens=tokens.tolist(), budget=0.25).SerializeToString()
+    return pb.LoadRequest(
+        ctx=ctx_to_pb(MODEL, "default"), tokens=tokens.tolist(), budget=0.25
+    ).SerializeToString()
 
 
 def test_load_to_pb(benchmark: Any, chunks: list[LoadedChunk]) -> None:

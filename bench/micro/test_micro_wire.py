@@ -36,7 +36,8 @@ def chunks() -> list[LoadedChunk]:
     out = []
     for i in range(SELECTED_TOKENS // CHUNK_TOKENS):
         positions = np.arange(i * 64, i * 64 + CHUNK_TOKENS, dtype=np.int64)
-        part = kv[:, :, :, i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
+        # Contiguous, as the codec decodes a chunk.
+        part = np.ascontiguousarray(kv[:, :, :, i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS])
         out.append(LoadedChunk(i // 16, i % 16, positions, part, "memory", part.nbytes))
     return out
 

@@ -124,14 +124,18 @@ def leaked_segments() -> list[str]:
 
 
 def open_arenas(pid: int) -> list[int]:
-    """The fds of kvsieve arenas that process `pid` holds (for tests and `kvsieve stats`)."""
-    fds = []
+    """Inodes of the kvsieve arenas that process `pid` holds open (for tests and checks).
+
+    Inodes, not fds: Python's mmap keeps a duplicate fd of what it maps, so the
+    server holds two fds per arena.
+    """
+    inodes = set()
     with contextlib.suppress(FileNotFoundError, PermissionError):
         for entry in os.scandir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 if os.readlink(entry.path).startswith(f"/memfd:{ARENA_NAME}"):
-                    fds.append(int(entry.name))
-    return sorted(fds)
+                    inodes.add(os.stat(entry.path).st_ino)
+    return sorted(inodes)
 
 
 def process_alive(pid: int) -> bool:

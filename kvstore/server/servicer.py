@@ -57,6 +57,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self.leases = TenantLeases(config.namespace_max_leases, quota, self._block_bytes)
         self._inflight = ByteBudget(config.max_inflight_store_bytes, "max_inflight_store_bytes")
         self._tenants = TenantCounters()
+        metrics.inflight_store_bytes.set_function(lambda: self._inflight.used)
+        metrics.arenas.set_function(lambda: len(self.arenas))
 
     @override
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

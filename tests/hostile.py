@@ -46,7 +46,7 @@ def code_of(call: Callable[[], object]) -> grpc.StatusCode:
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    """Poll `condition` until true; False after `timeout_s` (a bound on waiting, not an assertion on speed)."""
+    """Poll `condition` until true; False after `timeout_s` (a bound on waiting, not on speed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():

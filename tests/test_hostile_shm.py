@@ -211,7 +211,8 @@ _VICTIM = textwrap.dedent(
     address, phase, num_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     model = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)
     stub = pb_grpc.KVCacheStub(grpc.insecure_channel(address))
-    arena = stub.CreateArena(pb.CreateArenaRequest(namespace="default", nbytes=1 << 20, client_pid=os.getpid()))
+    create = pb.CreateArenaRequest(namespace="default", nbytes=1 << 20, client_pid=os.getpid())
+    arena = stub.CreateArena(create)
     buf = shm.map_arena(shm.ArenaRef(arena.server_pid, arena.fd, arena.nbytes, arena.inode))
     if phase == "during":
         tokens = list(range(num_tokens))

@@ -159,9 +159,9 @@ def test_a_huge_lookup_does_not_stall_small_ones(tmp_path: Path) -> None:
                 assert client.lookup(small_tokens, model=TINY, namespace="x").num_tokens == 64
                 during += 1
             assert future.result().num_tokens == 0
-        # On the event loop, the huge lookup (seconds of work) let through only the few small
-        # ones sent before it arrived; in a worker thread the loop keeps serving them.
-        assert during >= 100, during
+        # On the event loop, the huge lookup (seconds of work) let through only the small ones
+        # sent before it arrived (32 measured here); in a worker thread 150-430 got through.
+        assert during >= 60, during
     finally:
         server.kill()
 

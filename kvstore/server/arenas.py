@@ -132,7 +132,11 @@ class ArenaCache:
             stale = [
                 arena_id
                 for arena_id, e in self._arenas.items()
-                if not e.busy and (now - e.last_used > self._limits.idle_s or not process_alive(e.client_pid))
+                if not e.busy
+                and (
+                    now - e.last_used > self._limits.idle_s
+                    or (e.client_pid and not process_alive(e.client_pid))
+                )
             ]
             dropped = [self._arenas.pop(arena_id) for arena_id in stale]
         for entry in dropped:

@@ -53,15 +53,20 @@ class ByteBudget:
         return self._used
 
 
+def check_token_count(num_tokens: int, limit: int, field_name: str) -> int:
+    """`num_tokens`, or InvalidInputError naming the limit it exceeds."""
+    if num_tokens > limit:
+        raise InvalidInputError(f"tokens: {num_tokens} exceeds {field_name} {limit}")
+    return num_tokens
+
+
 def tokens_array(tokens: Any, limit: int, field_name: str) -> np.ndarray[Any, Any]:
     """Repeated uint32 -> uint32 array, refusing more than `limit` tokens before converting.
 
     Converts in slices so that, in a worker thread, a huge request yields the GIL
     between slices instead of holding it for the whole conversion.
     """
-    n = len(tokens)
-    if n > limit:
-        raise InvalidInputError(f"tokens: {n} exceeds {field_name} {limit}")
+    n = check_token_count(len(tokens), limit, field_name)
     out = np.empty(n, np.uint32)
     step = 1 << 16
     for start in range(0, n, step):

@@ -28,11 +28,17 @@ from kvstore.server.arenas import ArenaCache, ArenaLimitError, ArenaLimits, Owne
 from kvstore.server.auth import Authorizer
 from kvstore.server.chunks import ChunkWriter, place_slice
 from kvstore.server.config import ServerConfig
-from kvstore.server.limits import ByteBudget, LimitExceededError, TenantLeases, tokens_array
+from kvstore.server.limits import (
+    ByteBudget,
+    LimitExceededError,
+    TenantLeases,
+    check_token_count,
+    tokens_array,
+)
 from kvstore.server.metrics import Metrics
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
 from kvstore.shm import ServerArena
-from kvstore.store import TieredStore
+from kvstore.store import LoadStream, TieredStore
 from kvstore.wire import ctx_from_pb, stats_to_pb, status_for
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
@@ -118,13 +124,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         async with self._guard(context), self._streaming():
             started = time.perf_counter()
             model, namespace, token = self._authorised(context, request.ctx)
-            tokens = self._tokens(request.tokens)
+            check_token_count(len(request.tokens), self._config.max_lookup_tokens, "max_lookup_tokens")
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
             try:
-                stream = await asyncio.to_thread(
-                    self._store.load, tokens, model=model, namespace=namespace,
-                    budget=request.budget or 1.0, budget_tokens=request.budget_tokens or None,
-                )  # fmt: skip
+                stream = await asyncio.to_thread(self._load, request, model, namespace)
                 yield pb.LoadResponse(
                     header=pb.LoadHeader(
                         matched_tokens=stream.matched_tokens,
@@ -156,11 +159,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def ReportScores(self, request: pb.ReportScoresRequest, context: Any) -> pb.ReportScoresResponse:
         async with self._guard(context):
             model, namespace, _ = self._authorised(context, request.ctx)
-            tokens = self._tokens(request.tokens)
-            scores = np.asarray(request.scores, np.float32)
-            updated = await asyncio.to_thread(
-                self._store.report_scores, tokens, scores, model=model, namespace=namespace
-            )
+            updated = await asyncio.to_thread(self._report_scores, request, model, namespace)
             self._tenants.add(namespace, {"score_reports": 1})
             return pb.ReportScoresResponse(blocks_updated=updated)
 
@@ -168,9 +167,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
         async with self._guard(context):
             model, namespace, _ = self._authorised(context, request.ctx)
-            tokens = self._tokens(request.tokens)
             ttl = request.ttl_s or 60.0
-            lease = await asyncio.to_thread(self._pin, tokens, model, namespace, ttl)
+            lease = await asyncio.to_thread(self._pin, request.tokens, model, namespace, ttl)
             self._tenants.add(namespace, {"pins": 1})
             return pb.PinResponse(lease_id=lease.lease_id, num_blocks=len(lease.keys), ttl_s=ttl)
 
@@ -238,8 +236,21 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _tokens(self, tokens: Any) -> np.ndarray[Any, Any]:
         return tokens_array(tokens, self._config.max_lookup_tokens, "max_lookup_tokens")
 
+    # Worker-thread bodies: token lists are converted there, off the event loop.
+
     def _lookup(self, tokens: Any, model: ModelSpec, namespace: str) -> LookupResult:
         return self._store.lookup(self._tokens(tokens), model=model, namespace=namespace)
+
+    def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
+        return self._store.load(
+            self._tokens(request.tokens), model=model, namespace=namespace,
+            budget=request.budget or 1.0, budget_tokens=request.budget_tokens or None,
+        )  # fmt: skip
+
+    def _report_scores(self, request: pb.ReportScoresRequest, model: ModelSpec, namespace: str) -> int:
+        tokens = self._tokens(request.tokens)
+        scores = np.asarray(request.scores, np.float32)
+        return self._store.report_scores(tokens, scores, model=model, namespace=namespace)
 
     def _store_bytes(self, model: ModelSpec, num_tokens: int) -> int:
         nbytes = num_tokens * model.token_bytes  # Python ints: no overflow, nothing allocated yet
@@ -265,8 +276,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return None
         return self.arenas.acquire(arena_id, owner)  # PermissionDeniedError before any work
 
-    def _pin(self, tokens: np.ndarray[Any, Any], model: ModelSpec, namespace: str, ttl: float) -> Lease:
-        lease = self._store.pin(tokens, model=model, namespace=namespace, ttl_s=ttl)
+    def _pin(self, tokens: Any, model: ModelSpec, namespace: str, ttl: float) -> Lease:
+        lease = self._store.pin(self._tokens(tokens), model=model, namespace=namespace, ttl_s=ttl)
         try:
             self.leases.admit(namespace, lease)
         except LimitExceededError:

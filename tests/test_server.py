@@ -155,10 +155,10 @@ def test_eight_concurrent_clients_get_bit_exact_results(sidecar: Sidecar) -> Non
     assert not errors, errors
 
 
-# 16 KiB of KV per token: a 4096-token load (64 MiB) is far larger than what gRPC buffers in
+# 16 KiB of KV per token: a 2048-token load (32 MiB) is far larger than what gRPC buffers in
 # flight, so a stream read one chunk at a time is really still open on the server.
 WIDE = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)
-WIDE_TOKENS = 4096
+WIDE_TOKENS = 2048
 
 
 def _store_wide(address: str, seed: int) -> tuple[Any, Any]:

@@ -171,3 +171,24 @@ def test_metrics_refuse_a_non_loopback_address(tmp_path: Path) -> None:
            "--metrics-listen", "0.0.0.0:0", "--data-dir", str(tmp_path)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "metrics_allow_remote" in result.stderr
+
+
+def test_a_namespace_over_its_byte_quota_cannot_store_more_and_others_can(tmp_path: Path) -> None:
+    server = auth_sidecar(tmp_path, "--namespace-max-bytes", "8KiB")
+    try:
+        with KVClient(server.address, token="tok-a") as tenant_a:
+            stored = 0
+            with pytest.raises(StoreFullError, match="namespace_max_bytes is 8192"):
+                for seed in range(20):  # ~2.2 KiB per block
+                    tenant_a.store(
+                        make_tokens(32, seed=300 + seed), make_kv(TINY, 32), model=TINY, namespace="a"
+                    )
+                    stored += 1
+            assert 3 <= stored <= 4
+            assert tenant_a.stats().tiers["namespace"].used_bytes >= 8192
+        with KVClient(server.address, token="tok-b") as tenant_b:
+            tokens = make_tokens(64, seed=400)
+            tenant_b.store(tokens, make_kv(TINY, 64), model=TINY, namespace="b")
+            assert tenant_b.lookup(tokens, model=TINY, namespace="b").num_tokens == 64
+    finally:
+        server.kill()

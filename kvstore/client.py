@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import mmap
+import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -76,7 +79,7 @@ class KVClient:
         self._timeout = timeout_s
         self._slice_bytes = max(1 << 20, max_message_bytes - (1 << 20))
         self._shm = shm.available() and (is_loopback(target) if use_shm == "auto" else bool(use_shm))
-        self._arenas = ArenaPool()
+        self._arenas = ArenaPool(self._create_arena)
 
     def lookup(
         self, tokens: Sequence[int] | Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
@@ -132,15 +135,17 @@ class KVClient:
             ctx=_ctx(model, namespace), tokens=toks, budget=budget, budget_tokens=budget_tokens or 0
         )
         self._release_orphans()
-        segment = self._arenas.take(len(toks) * model.token_bytes) if self._shm and len(toks) else None
-        if segment is not None:
-            request.shm_name, request.shm_bytes = segment.name, len(segment.buf)
+        arena = None
+        if self._shm and len(toks):
+            arena = self._arenas.take(namespace, len(toks) * model.token_bytes)
+        if arena is not None:
+            request.arena_id = arena.arena_id
         try:
             responses = self._stub.Load(request, timeout=self._timeout, metadata=self._metadata)
-            return RemoteLoadStream(responses, model, segment, self._arenas)
+            return RemoteLoadStream(responses, model, arena, self._arenas)
         except BaseException:
-            if segment is not None:
-                self._arenas.discard(segment)
+            if arena is not None:
+                self._arenas.discard(arena)
             raise
 
     def load_arrays(self, tokens: Sequence[int] | Array, **kwargs: Any) -> tuple[int, Array, Array]:
@@ -188,17 +193,35 @@ class KVClient:
 
     def close(self) -> None:
         """Release the shared-memory arenas and close the channel. Idempotent."""
-        for segment in self._arenas.drain():
-            self._release_segment(segment.name)
+        for arena in self._arenas.drain():
+            self._arenas.orphan(arena.arena_id, arena.namespace)
         self._release_orphans()
         self._channel.close()
 
-    def _release_orphans(self) -> None:
-        for name in self._arenas.take_orphans():
-            self._release_segment(name)
+    def _create_arena(self, namespace: str, nbytes: int) -> ClientArena | None:
+        """Ask the server for an arena and map it; None (load inline) if either fails."""
+        request = pb.CreateArenaRequest(namespace=namespace, nbytes=nbytes, client_pid=os.getpid())
+        try:
+            reply = self._stub.CreateArena(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older server
+                self._shm = False
+            return None  # over a limit, or out of memory there: this load goes inline
+        ref = shm.ArenaRef(reply.server_pid, reply.fd, reply.nbytes, reply.inode)
+        try:
+            buf = shm.map_arena(ref)
+        except OSError:  # another host, pid namespace or uid: inline from now on
+            self._shm = False
+            self._release_segment(reply.arena_id, namespace)
+            return None
+        return ClientArena(reply.arena_id, namespace, buf)
 
-    def _release_segment(self, name: str) -> None:
-        request = pb.ReleaseSegmentRequest(shm_name=name)
+    def _release_orphans(self) -> None:
+        for arena_id, namespace in self._arenas.take_orphans():
+            self._release_segment(arena_id, namespace)
+
+    def _release_segment(self, arena_id: str, namespace: str) -> None:
+        request = pb.ReleaseSegmentRequest(arena_id=arena_id, namespace=namespace)
         with contextlib.suppress(grpc.RpcError):
             self._stub.ReleaseSegment(request, timeout=5, metadata=self._metadata)
 
@@ -215,65 +238,88 @@ class KVClient:
             raise _domain_error(exc) from None
 
 
+@dataclass
+class ClientArena:
+    """A server arena mapped read-only here, lent to one load at a time."""
+
+    arena_id: str
+    namespace: str
+    buf: mmap.mmap
+
+    def unmap(self) -> None:
+        """Unmap, unless numpy views still use it (then the GC unmaps later)."""
+        with contextlib.suppress(BufferError):
+            self.buf.close()
+
+
 class ArenaPool:
-    """The client's shared-memory arenas: reused across loads so their pages stay warm.
+    """The client's shared-memory arenas, per namespace: reused so their pages stay warm.
 
     An arena is lent to one load at a time and comes back only when the caller
-    closes the stream (after which its chunk views must not be used). A stream
-    dropped without `close` leaves its arena to the caller's views and asks the
-    server to unmap it at the next call.
+    closes the stream (after which its chunk views must not be used). A load that
+    needs more room than the free arenas have gets a new arena sized to it, and
+    the smaller ones are released. A stream dropped without `close` leaves its
+    arena to the caller's views and asks the server to unmap it at the next call.
+
+    Args:
+        create: makes and maps a new arena (namespace, nbytes), or returns None.
     """
 
     KEEP_FREE = 4
-    MIN_BYTES = 64 << 20
+    MIN_BYTES = 1 << 20
 
-    def __init__(self) -> None:
-        self._free: list[shm.Segment] = []
-        self._orphans: list[str] = []
+    def __init__(self, create: Callable[[str, int], ClientArena | None]) -> None:
+        self._create = create
+        self._free: list[ClientArena] = []
+        self._orphans: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> shm.Segment | None:
-        """A free arena of at least `nbytes`, or a new one (None if shm fails here)."""
+    def take(self, namespace: str, nbytes: int) -> ClientArena | None:
+        """A free arena of `namespace` with at least `nbytes`, or a new one (None if shm fails)."""
         with self._lock:
-            for i, segment in enumerate(self._free):
-                if len(segment.buf) >= nbytes:
-                    return self._free.pop(i)
-        try:
-            return shm.Segment.create(max(nbytes, self.MIN_BYTES))
-        except OSError:
-            return None
+            mine = [a for a in self._free if a.namespace == namespace]
+            for arena in mine:
+                if len(arena.buf) >= nbytes:
+                    self._free.remove(arena)
+                    return arena
+            for arena in mine:  # too small for this load: grow by replacing them
+                self._free.remove(arena)
+                self._orphans.append((arena.arena_id, arena.namespace))
+                arena.unmap()
+        size = -(-max(nbytes, self.MIN_BYTES) // self.MIN_BYTES) * self.MIN_BYTES
+        return self._create(namespace, size)
 
-    def give(self, segment: shm.Segment) -> None:
+    def give(self, arena: ClientArena) -> None:
         """Return an arena after its stream was closed."""
         with self._lock:
             if len(self._free) < self.KEEP_FREE:
-                self._free.append(segment)
+                self._free.append(arena)
                 return
-            self._orphans.append(segment.name)
-        segment.close()
+            self._orphans.append((arena.arena_id, arena.namespace))
+        arena.unmap()
 
-    def discard(self, segment: shm.Segment) -> None:
-        """Forget an arena the server could not use (or a failed call)."""
-        segment.unlink()
-        segment.close()
+    def discard(self, arena: ClientArena) -> None:
+        """Give up an arena (the server did not use it, or the call failed); the server unmaps it."""
+        self.orphan(arena.arena_id, arena.namespace)
+        arena.unmap()
 
-    def orphan(self, name: str) -> None:
-        """An arena whose stream was garbage-collected unclosed: the server should unmap it."""
+    def orphan(self, arena_id: str, namespace: str) -> None:
+        """An arena the server should unmap (e.g. its stream was garbage-collected unclosed)."""
         with self._lock:
-            self._orphans.append(name)
+            self._orphans.append((arena_id, namespace))
 
-    def take_orphans(self) -> list[str]:
-        """Names to release on the server."""
+    def take_orphans(self) -> list[tuple[str, str]]:
+        """(arena id, namespace) pairs to release on the server."""
         with self._lock:
-            names, self._orphans = self._orphans, []
-        return names
+            orphans, self._orphans = self._orphans, []
+        return orphans
 
-    def drain(self) -> list[shm.Segment]:
+    def drain(self) -> list[ClientArena]:
         """Every free arena, removed from the pool and unmapped."""
         with self._lock:
             free, self._free = self._free, []
-        for segment in free:
-            segment.close()
+        for arena in free:
+            arena.unmap()
         return free
 
 
@@ -284,14 +330,14 @@ class RemoteLoadStream:
     arena back for reuse, so chunk views must not be used after it.
     """
 
-    def __init__(
-        self, responses: Any, model: ModelSpec, segment: shm.Segment | None, pool: ArenaPool
-    ) -> None:
+    def __init__(self, responses: Any, model: ModelSpec, arena: ClientArena | None, pool: ArenaPool) -> None:
         self._responses = responses
         self._model = model
-        self._segment = segment
+        self._arena = arena
         self._pool = pool
-        self._finalizer = None if segment is None else weakref.finalize(self, pool.orphan, segment.name)
+        self._finalizer = (
+            None if arena is None else weakref.finalize(self, pool.orphan, arena.arena_id, arena.namespace)
+        )
         self._finished = False
         self._pending: collections.deque[LoadedChunk] = collections.deque()
         self._dense: Array | None = None
@@ -345,12 +391,17 @@ class RemoteLoadStream:
         if not self._finished:
             self._responses.cancel()
             self._finished = True
-        if self._segment is not None:
+        if self._arena is not None:
             if self._finalizer is not None:
                 self._finalizer.detach()
-            self._pool.give(self._segment)
-            self._segment = None
+            self._pool.give(self._arena)
+            self._arena = None
             self._dense = None
+
+    @property
+    def arena_view(self) -> Array | None:
+        """The whole shared-memory arena as a KV array while this stream uses one, else None."""
+        return self._dense
 
     def __enter__(self) -> RemoteLoadStream:
         return self
@@ -361,11 +412,9 @@ class RemoteLoadStream:
     def _header(self, header: pb.LoadHeader) -> None:
         self.matched_tokens = self.num_tokens = header.matched_tokens
         self.selected_tokens = header.selected_tokens
-        if self._segment is not None:
+        if self._arena is not None:
             if header.shm:
-                self._segment.unlink()  # the server has it mapped: the name is no longer needed
-                self._dense = shm.dense_view(self._segment.buf, self._model)
-                self._dense.flags.writeable = False
+                self._dense = shm.dense_view(self._arena.buf, self._model)  # read-only mapping
             else:
                 self._drop_arena()
 
@@ -389,11 +438,11 @@ class RemoteLoadStream:
         return LoadedChunk(chunk.block_index, chunk.chunk_index, positions, kv, chunk.tier, nbytes)
 
     def _drop_arena(self) -> None:
-        if self._segment is not None:
+        if self._arena is not None:
             if self._finalizer is not None:
                 self._finalizer.detach()
-            self._pool.discard(self._segment)  # unmaps once the caller drops its views
-            self._segment = None
+            self._pool.discard(self._arena)  # unmaps once the caller drops its views
+            self._arena = None
             self._dense = None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -59,7 +59,9 @@ __all__ = [
 class TieredStore:
     """Prefix KV over tiers; see module docstring. Thread-safe."""
 
-    def __init__(self, config: StoreConfig | None = None) -> None:
+    def __init__(
+        self, config: StoreConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config or StoreConfig()
         self.tree = RadixTree(self.config.block_tokens)
         self.memory = MemoryTier(
@@ -81,7 +83,7 @@ class TieredStore:
         if self.config.remote_url is not None:
             self.durable.append(create_tier("redis", url=self.config.remote_url))
         self.counters = Counters()
-        self.leases = LeaseTable(self.tree.pin, self.tree.unpin)
+        self.leases = LeaseTable(self.tree.pin, self.tree.unpin, clock)  # clock: lease expiry only
         self._write_lock = threading.Lock()
         self._closed = False
         self.orphans = self._rebuild_tree()

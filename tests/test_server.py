@@ -3,6 +3,7 @@ crashes, auth, errors, shared memory, health, reflection and metrics."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from kvstore.client import KVClient, RpcFailedError
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, NotFoundError
 from kvstore.fsck import fsck
+from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
 from kvstore.wire import PermissionDeniedError, UnauthenticatedError, ctx_to_pb
 
@@ -149,27 +151,42 @@ def test_eight_concurrent_clients_get_bit_exact_results(sidecar: Sidecar) -> Non
         t.start()
     for t in threads:
         t.join(120)
+        assert not t.is_alive()
     assert not errors, errors
+
+
+# 16 KiB of KV per token: a 2048-token load (32 MiB) is far larger than what gRPC buffers in
+# flight, so a stream read one chunk at a time is really still open on the server.
+WIDE = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)
+WIDE_TOKENS = 2048
+
+
+def _store_wide(address: str, seed: int) -> tuple[Any, Any]:
+    tokens, kv = make_tokens(WIDE_TOKENS, seed=seed), make_kv(WIDE, WIDE_TOKENS, seed=seed)
+    with KVClient(address, use_shm=False) as client:
+        client.store(tokens, kv, model=WIDE)
+    return tokens, kv
 
 
 def test_server_killed_mid_stream_gives_unavailable_and_restarts_clean(tmp_path: Path) -> None:
     server = Sidecar(tmp_path / "data").start()
-    tokens = make_tokens(32 * 40, seed=9)
+    tokens, _ = _store_wide(server.address, seed=9)
+    received = 0
     with KVClient(server.address, use_shm=False) as client:
-        client.store(tokens, make_kv(TINY, len(tokens), seed=9), model=TINY)
-        stream = client.load(tokens, model=TINY)
-        next(stream)
+        stream = client.load(tokens, model=WIDE)
+        received += len(next(stream).positions)
         server.kill()
-        with pytest.raises(RpcFailedError) as info:
-            for _ in stream:
-                pass
-            client.lookup(tokens, model=TINY)
+        assert server.proc is not None and server.proc.returncode == -signal.SIGKILL
+        with pytest.raises(RpcFailedError) as info:  # the stream itself fails, nothing else
+            for chunk in stream:
+                received += len(chunk.positions)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert 0 < received < WIDE_TOKENS  # it died mid-stream
     assert fsck(tmp_path / "data").clean
     server.start()
     try:
         with KVClient(server.address) as client:
-            assert client.lookup(tokens, model=TINY).num_tokens == len(tokens)
+            assert client.lookup(tokens, model=WIDE).num_tokens == WIDE_TOKENS
     finally:
         server.kill()
 
@@ -270,21 +287,24 @@ def test_deadline_is_honoured_and_nothing_is_stored(sidecar: Sidecar) -> None:
         assert client.lookup(tokens, model=TINY, namespace="deadline").num_tokens == 0
 
 
-@pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+@pytest.mark.skipif(not shm.available(), reason="no memfd or /proc")
 def test_shared_memory_path_is_used_and_never_leaks(tmp_path: Path) -> None:
     server = Sidecar(tmp_path / "data").start()
+    assert server.proc is not None
     tokens, kv = make_tokens(32 * 20, seed=12), make_kv(TINY, 32 * 20, seed=12)
-    before = set(shm.leaked_segments())
     try:
         with KVClient(server.address, use_shm=True) as client:
             client.store(tokens, kv, model=TINY)
             with client.load(tokens, model=TINY) as stream:  # normal, arena reused afterwards
-                chunks = list(stream)
-                assert all(not c.kv.flags.writeable for c in chunks)  # views into the arena
-                assert b"".join(c.kv.tobytes() for c in chunks) == b"".join(
-                    kv[:, :, :, c.positions].tobytes() for c in chunks
-                )
-            assert set(shm.leaked_segments()) == before  # names are unlinked once both sides map them
+                positions, gathered = stream.gather(TINY)
+                assert stream.arena_view is not None  # the server wrote into the arena ...
+                assert np.shares_memory(gathered, stream.arena_view)  # ... and nobody copied it out
+                assert not gathered.flags.writeable  # a read-only mapping
+                assert gathered.tobytes() == kv[:, :, :, positions].tobytes()
+            assert len(shm.open_arenas(server.proc.pid)) == 1  # one arena, kept warm for reuse
+            with client.load(tokens, model=TINY) as stream:
+                list(stream)
+            assert len(shm.open_arenas(server.proc.pid)) == 1  # reused, not a second one
             stream = client.load(tokens, model=TINY)  # cancelled mid-stream
             next(stream)
             stream.close()
@@ -292,10 +312,8 @@ def test_shared_memory_path_is_used_and_never_leaks(tmp_path: Path) -> None:
             abandoned = client.load(tokens, model=TINY)  # never closed
             next(abandoned)
             del abandoned
-        stream = KVClient(server.address, use_shm=True).load(tokens, model=TINY)
-        next(stream)
-        server.kill()  # the server dies holding a mapping
-        assert set(shm.leaked_segments()) == before
+        assert shm.open_arenas(server.proc.pid) == []  # close() released every arena
+        assert shm.leaked_segments() == []  # and nothing ever had a name in /dev/shm
     finally:
         server.kill()
 
@@ -323,12 +341,20 @@ def test_health_reflection_and_metrics(sidecar: Sidecar) -> None:
         assert name in body, name
 
 
-def test_sigterm_drains_and_closes_cleanly(tmp_path: Path) -> None:
+def test_sigterm_drains_an_inflight_load_and_closes_cleanly(tmp_path: Path) -> None:
     server = Sidecar(tmp_path / "data").start()
-    with KVClient(server.address) as client:
-        client.store(make_tokens(64, seed=14), make_kv(TINY, 64, seed=14), model=TINY)
-    code, err = server.terminate()
-    assert code == 0 and "store closed cleanly" in err
+    assert server.proc is not None
+    tokens, kv = _store_wide(server.address, seed=14)
+    with KVClient(server.address, use_shm=False) as client:
+        stream = client.load(tokens, model=WIDE)
+        chunks = [next(stream)]
+        server.proc.send_signal(signal.SIGTERM)  # lands while the load is open on the server
+        chunks += list(stream)  # the drain lets it finish
+        assert server.proc.poll() is None or server.proc.returncode == 0
+    assert len(chunks) > 1 and sum(len(c.positions) for c in chunks) == WIDE_TOKENS
+    assert all(c.kv.tobytes() == kv[:, :, :, c.positions].tobytes() for c in chunks)
+    _out, err = server.proc.communicate(timeout=30)
+    assert server.proc.returncode == 0 and "store closed cleanly" in err
     assert fsck(tmp_path / "data").clean
 
 
@@ -351,10 +377,14 @@ def test_loaded_kv_moves_to_a_device_or_stays_on_cpu(sidecar: Sidecar) -> None:
         client.store(tokens, kv, model=TINY, namespace="device")
         with client.load(tokens, model=TINY, namespace="device") as stream:
             _, arena_view = stream.gather(TINY)
+            assert stream.arena_view is not None and np.shares_memory(arena_view, stream.arena_view)
             tensor = to_device(arena_view, "cuda")
-    # No CUDA here: a CPU tensor that owns its data, valid after the arena is reused.
-    assert tensor.device.type in ("cpu", "cuda")
-    assert tensor.cpu().numpy().tobytes() == kv.tobytes()
+    from kvstore.tiers.pinned import cuda_available
+
+    assert tensor.device.type == ("cuda" if cuda_available() else "cpu")
+    host = tensor.cpu().numpy()
+    assert not np.shares_memory(host, arena_view)  # owns its data: valid after the arena is reused
+    assert host.tobytes() == kv.tobytes()
 
 
 def test_tls_serves_only_encrypted_clients(tmp_path: Path) -> None:

@@ -170,20 +170,21 @@ def test_pinned_blocks_are_not_evicted_and_full_store_says_so(tmp_path: Path, ti
         assert s.lookup(first, model=tiny).num_tokens == 0
 
 
-def test_leases_expire_and_unknown_leases_are_not_found(store: TieredStore, tiny: ModelSpec) -> None:
-    tokens = make_tokens(32)
-    store.store(tokens, make_kv(tiny, 32), model=tiny)
-    lease = store.pin(tokens, model=tiny, ttl_s=0.01)
-    assert store.stats().active_leases == 1
-    import time
-
-    time.sleep(0.05)
-    stats = store.stats()
-    assert (stats.active_leases, stats.get("leases_expired")) == (0, 1)
-    with pytest.raises(NotFoundError):
-        store.unpin(lease.lease_id)
-    with pytest.raises(InvalidInputError, match="ttl_s"):
-        store.pin(tokens, model=tiny, ttl_s=0)
+def test_leases_expire_and_unknown_leases_are_not_found(small_config: StoreConfig, tiny: ModelSpec) -> None:
+    now = [1000.0]  # an injected clock: expiry is decided by it, not by how fast this machine is
+    with TieredStore(small_config, clock=lambda: now[0]) as store:
+        tokens = make_tokens(32)
+        store.store(tokens, make_kv(tiny, 32), model=tiny)
+        lease = store.pin(tokens, model=tiny, ttl_s=10)
+        now[0] += 9
+        assert store.stats().active_leases == 1  # one second before expiry
+        now[0] += 1
+        stats = store.stats()
+        assert (stats.active_leases, stats.get("leases_expired")) == (0, 1)  # at expiry
+        with pytest.raises(NotFoundError):
+            store.unpin(lease.lease_id)
+        with pytest.raises(InvalidInputError, match="ttl_s"):
+            store.pin(tokens, model=tiny, ttl_s=0)
 
 
 def test_flipped_byte_on_disk_is_a_miss_and_counted(small_config: StoreConfig, tiny: ModelSpec) -> None:

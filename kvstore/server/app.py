@@ -42,11 +42,14 @@ class RunningServer:
     health: health.HealthServicer
     servicer: KVCacheServicer
     _metrics_httpd: Any = None
+    _sweeper: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new calls, let in-flight ones finish for `grace_s`, then close the store."""
         self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
         self.servicer.arenas.close()
@@ -71,7 +74,15 @@ async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServe
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     httpd, metrics_address = _start_metrics(config, metrics)
-    return RunningServer(server, store, address, metrics_address, health_servicer, servicer, httpd)
+    sweeper = asyncio.create_task(_sweep_arenas(servicer))
+    return RunningServer(server, store, address, metrics_address, health_servicer, servicer, httpd, sweeper)
+
+
+async def _sweep_arenas(servicer: KVCacheServicer, every_s: float = 2.0) -> None:
+    """Unmap arenas of exited clients even when no call comes to trigger a sweep."""
+    while True:
+        await asyncio.sleep(every_s)
+        await asyncio.to_thread(servicer.arenas.sweep)
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:

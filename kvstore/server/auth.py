@@ -7,11 +7,15 @@ from collections.abc import Iterable, Mapping
 
 from kvstore.wire import PermissionDeniedError, UnauthenticatedError
 
+ADMIN = "*"
+
 
 class Authorizer:
-    """Maps bearer tokens to the namespaces they grant ("*" grants all).
+    """Maps bearer tokens to the namespaces they grant.
 
-    With no tokens configured every caller may use every namespace (the server
+    A token granted "*" is an admin: it may use every namespace and sees the
+    whole store's figures in `Stats`; any other token sees only its own
+    namespaces. With no tokens configured every caller is an admin (the server
     then only listens on loopback unless told otherwise; see ServerConfig).
     """
 
@@ -41,5 +45,11 @@ class Authorizer:
         if token is None:
             return
         grants = self._grants[token]
-        if "*" not in grants and namespace not in grants:
+        if ADMIN not in grants and namespace not in grants:
             raise PermissionDeniedError(f"token does not grant namespace {namespace!r}")
+
+    def scope(self, token: str | None) -> frozenset[str] | None:
+        """The namespaces whose figures `token` may see; None means all (an admin)."""
+        if token is None or ADMIN in self._grants[token]:
+            return None
+        return self._grants[token]

@@ -25,6 +25,19 @@ class ServerConfig:
         allow_insecure_remote: bind a non-loopback address without auth (refused otherwise).
         grace_s: seconds SIGTERM waits for in-flight calls before closing the store.
         shm: offer the zero-copy shared-memory path to co-located clients.
+        metrics_allow_remote: let metrics_listen bind a non-loopback address (it has no auth).
+        max_store_bytes: largest KV one Store stream may declare (tokens x model token bytes).
+        max_inflight_store_bytes: KV of all Store streams being received at once.
+        max_lookup_tokens: longest token list Lookup, Load, Pin and ReportScores accept.
+        namespace_max_leases: live leases (pins) one namespace may hold.
+        namespace_pinned_fraction: share of the store's byte budget (disk_bytes, or
+            memory_bytes without a disk tier) one namespace may keep pinned.
+        namespace_max_bytes: bytes of blocks one namespace may hold before its Stores
+            are refused; 0 = no quota (the store's own eviction bounds the total).
+        shm_arena_bytes: largest shared-memory arena the server makes for one client.
+        shm_namespace_bytes: shared-memory arenas one namespace may hold, in bytes.
+        shm_total_bytes: shared-memory arenas of all clients, in bytes.
+        shm_idle_s: an arena unused this long is unmapped.
     """
 
     listen: str = "127.0.0.1:50051"
@@ -38,6 +51,17 @@ class ServerConfig:
     allow_insecure_remote: bool = False
     grace_s: float = 10.0
     shm: bool = True
+    metrics_allow_remote: bool = False
+    max_store_bytes: int = 1 << 30
+    max_inflight_store_bytes: int = 2 << 30
+    max_lookup_tokens: int = 1 << 20
+    namespace_max_leases: int = 1024
+    namespace_pinned_fraction: float = 0.25
+    namespace_max_bytes: int = 0
+    shm_arena_bytes: int = 1 << 30
+    shm_namespace_bytes: int = 2 << 30
+    shm_total_bytes: int = 4 << 30
+    shm_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -48,6 +72,7 @@ class ServerConfig:
             )
         if self.max_concurrent_rpcs < 1:
             raise InvalidInputError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        self._check_limits()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidInputError("tls_cert and tls_key must be given together")
         if not self.is_loopback and not self.auth_tokens and not self.allow_insecure_remote:
@@ -56,6 +81,36 @@ class ServerConfig:
                 "could read and write every tenant's KV; configure auth_tokens or set "
                 "allow_insecure_remote"
             )
+
+    def _check_limits(self) -> None:
+        positive = "max_store_bytes max_inflight_store_bytes max_lookup_tokens namespace_max_leases"
+        positive += " shm_arena_bytes shm_namespace_bytes shm_total_bytes"
+        for name in positive.split():
+            if getattr(self, name) < 1:
+                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_inflight_store_bytes < self.max_store_bytes:
+            raise InvalidInputError(
+                f"max_inflight_store_bytes ({self.max_inflight_store_bytes}) must be >= "
+                f"max_store_bytes ({self.max_store_bytes})"
+            )
+        if not 0.0 < self.namespace_pinned_fraction <= 1.0:
+            raise InvalidInputError(
+                f"namespace_pinned_fraction must be in (0, 1], got {self.namespace_pinned_fraction}"
+            )
+        if self.namespace_max_bytes < 0 or self.shm_idle_s <= 0:
+            raise InvalidInputError("namespace_max_bytes must be >= 0 and shm_idle_s > 0")
+        if self.metrics_listen and not self.metrics_is_loopback and not self.metrics_allow_remote:
+            raise InvalidInputError(
+                f"refusing to serve metrics on {self.metrics_listen}: the metrics endpoint has no auth "
+                "and shows every tenant's figures; bind a loopback address (127.0.0.1:PORT) or set "
+                "metrics_allow_remote (--metrics-allow-remote)"
+            )
+
+    @property
+    def metrics_is_loopback(self) -> bool:
+        """Whether `metrics_listen` stays on this machine (an empty host means 127.0.0.1)."""
+        host = self.metrics_listen.rpartition(":")[0]
+        return not host or is_loopback(self.metrics_listen)
 
     @property
     def is_loopback(self) -> bool:

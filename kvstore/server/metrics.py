@@ -74,3 +74,8 @@ class Metrics:
         self.active_streams = Gauge(
             "kvsieve_active_streams", "Store and Load streams in flight", registry=self.registry
         )
+        self.inflight_store_bytes = Gauge(
+            "kvsieve_inflight_store_bytes", "KV bytes reserved by Store streams being received",
+            registry=self.registry,
+        )  # fmt: skip
+        self.arenas = Gauge("kvsieve_shm_arenas", "Shared-memory arenas mapped", registry=self.registry)

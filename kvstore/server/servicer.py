@@ -1,14 +1,16 @@
-"""The KVCache gRPC servicer: decode, authorise, call the store, encode. Nothing else.
+"""The KVCache gRPC servicer: decode, authorise, bound, call the store, encode.
 
 Store calls block (LMDB, numpy), so they run in worker threads and the event
-loop stays free for other streams.
+loop stays free for other streams; so does any Lookup longer than a few
+thousand tokens. Limits and tenant quotas are checked before the work they
+bound (see kvstore.server.limits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -18,23 +20,31 @@ from typing_extensions import override
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidInputError, NotFoundError
+from kvstore.keys import validate_namespace
+from kvstore.leases import Lease
 from kvstore.model import ModelSpec
-from kvstore.server.arenas import ArenaCache
+from kvstore.results import LookupResult
+from kvstore.server.arenas import ArenaCache, ArenaLimitError, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
+from kvstore.server.chunks import ChunkWriter, place_slice
 from kvstore.server.config import ServerConfig
-from kvstore.server.metrics import Metrics
-from kvstore.shm import Segment, dense_view
-from kvstore.store import LoadedChunk, LoadStream, TieredStore
-from kvstore.wire import (
-    ctx_from_pb,
-    kv_from_bytes,
-    stats_to_pb,
-    status_for,
-    tokens_from_pb,
+from kvstore.server.limits import (
+    ByteBudget,
+    LimitExceededError,
+    TenantLeases,
+    check_token_count,
+    tokens_array,
 )
+from kvstore.server.metrics import Metrics
+from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
+from kvstore.shm import ServerArena
+from kvstore.store import LoadStream, TieredStore
+from kvstore.wire import ctx_from_pb, stats_to_pb, status_for
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
 _CHUNKS_PER_MESSAGE = 16
+# Lookups up to this many tokens run on the event loop (cheaper than a thread hop).
+_INLINE_LOOKUP_TOKENS = 4096
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
@@ -45,18 +55,26 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self._config = config
         self._metrics = metrics
         self._auth = Authorizer(config.auth_tokens)
-        self._lease_namespaces: dict[str, str] = {}
-        self.arenas = ArenaCache()
+        self.arenas = ArenaCache(
+            ArenaLimits(arena_bytes=config.shm_arena_bytes, namespace_bytes=config.shm_namespace_bytes,
+                        total_bytes=config.shm_total_bytes, idle_s=config.shm_idle_s)
+        )  # fmt: skip
+        quota = _pinned_quota(store, config)
+        self.leases = TenantLeases(config.namespace_max_leases, quota, self._block_bytes)
+        self._inflight = ByteBudget(config.max_inflight_store_bytes, "max_inflight_store_bytes")
+        self._tenants = TenantCounters()
+        metrics.inflight_store_bytes.set_function(lambda: self._inflight.used)
+        metrics.arenas.set_function(lambda: len(self.arenas))
 
     @override
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         async with self._guard(context):
-            model, namespace = self._authorised(context, request.ctx)
-            tokens = tokens_from_pb(request.tokens)
-            if self._store.local_only:  # O(blocks) dict probes: cheaper than a thread hop
-                result = self._store.lookup(tokens, model=model, namespace=namespace)
-            else:
-                result = await asyncio.to_thread(self._store.lookup, tokens, model=model, namespace=namespace)
+            model, namespace, _ = self._authorised(context, request.ctx)
+            if self._store.local_only and len(request.tokens) <= _INLINE_LOOKUP_TOKENS:
+                result = self._lookup(request.tokens, model, namespace)
+            else:  # long lists (or a remote probe) would stall every other client's call
+                result = await asyncio.to_thread(self._lookup, request.tokens, model, namespace)
+            self._tenants.add(namespace, {"lookups": 1, "lookup_hits": int(result.num_tokens > 0)})
             return pb.LookupResponse(
                 num_tokens=result.num_tokens,
                 num_blocks=result.num_blocks,
@@ -70,28 +88,31 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidInputError("a Store stream must start with a header")
             header = first.header
-            model, namespace = self._authorised(context, header.ctx)
-            tokens = tokens_from_pb(header.tokens)
-            if len(tokens) > self._config.max_store_tokens:
-                raise InvalidInputError(
-                    f"tokens: {len(tokens)} exceeds max_store_tokens {self._config.max_store_tokens}"
-                )
+            model, namespace, _ = self._authorised(context, header.ctx)
+            tokens = tokens_array(header.tokens, self._config.max_store_tokens, "max_store_tokens")
             kv_start = header.kv_start
             if kv_start > len(tokens):
                 raise InvalidInputError(f"kv_start {kv_start} is beyond the {len(tokens)} tokens")
-            kv = np.empty(model.kv_shape(len(tokens) - kv_start), model.np_dtype)
-            filled = 0
-            async for message in request_iterator:
-                if message.WhichOneof("part") != "slice":
-                    raise InvalidInputError("after the header, a Store stream carries only slices")
-                filled = _place_slice(kv, message.slice, filled, kv_start, model)
-            if filled != kv.shape[3]:
-                raise InvalidInputError(f"slices cover {filled} of {kv.shape[3]} tokens; nothing was stored")
-            scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
-            result = await asyncio.to_thread(
-                self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
-                kv_start=kv_start,
-            )  # fmt: skip
+            nbytes = self._store_bytes(model, len(tokens) - kv_start)
+            await self._check_namespace_bytes(namespace)
+            with self._inflight.reserve(nbytes):  # before the allocation it bounds
+                kv = np.empty(model.kv_shape(len(tokens) - kv_start), model.np_dtype)
+                filled = 0
+                async for message in request_iterator:
+                    if message.WhichOneof("part") != "slice":
+                        raise InvalidInputError("after the header, a Store stream carries only slices")
+                    filled = place_slice(kv, message.slice, filled, kv_start, model)
+                if filled != kv.shape[3]:
+                    raise InvalidInputError(
+                        f"slices cover {filled} of {kv.shape[3]} tokens; nothing was stored"
+                    )
+                scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
+                result = await asyncio.to_thread(
+                    self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
+                    kv_start=kv_start,
+                )  # fmt: skip
+            self._tenants.add(namespace, {"stores": 1, "blocks_written": result.new_blocks,
+                                          "bytes_written": result.bytes_written})  # fmt: skip
             return pb.StoreResponse(
                 num_tokens=result.num_tokens,
                 new_blocks=result.new_blocks,
@@ -102,28 +123,25 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def Load(self, request: pb.LoadRequest, context: Any) -> AsyncIterator[pb.LoadResponse]:
         async with self._guard(context), self._streaming():
             started = time.perf_counter()
-            model, namespace = self._authorised(context, request.ctx)
-            tokens = tokens_from_pb(request.tokens)
-            stream = await asyncio.to_thread(
-                self._store.load, tokens, model=model, namespace=namespace,
-                budget=request.budget or 1.0, budget_tokens=request.budget_tokens or None,
-            )  # fmt: skip
-            segment = self.arenas.acquire(request.shm_name) if request.shm_name and self._config.shm else None
+            model, namespace, token = self._authorised(context, request.ctx)
+            check_token_count(len(request.tokens), self._config.max_lookup_tokens, "max_lookup_tokens")
+            arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
             try:
+                stream = await asyncio.to_thread(self._load, request, model, namespace)
                 yield pb.LoadResponse(
                     header=pb.LoadHeader(
                         matched_tokens=stream.matched_tokens,
                         selected_tokens=stream.selected_tokens,
-                        shm=segment is not None,
+                        shm=arena is not None,
                     )
                 )
-                writer = _ChunkWriter(stream, segment, model)
+                writer = ChunkWriter(stream, arena, model)
                 limit = self._config.max_message_bytes // 2
                 while message := await asyncio.to_thread(writer.next_batch, _CHUNKS_PER_MESSAGE, limit):
                     yield message
             finally:
-                if segment is not None:
-                    self.arenas.done(request.shm_name)
+                if arena is not None:
+                    self.arenas.done(request.arena_id)
             yield pb.LoadResponse(
                 trailer=pb.LoadTrailer(
                     num_tokens=stream.num_tokens,
@@ -132,6 +150,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     delivered_tokens=stream.delivered_tokens,
                 )
             )
+            self._tenants.add(namespace, {"loads": 1, "bytes_read": stream.bytes_read})
             self._metrics.load_seconds.observe(time.perf_counter() - started)
             if stream.selected_tokens:
                 self._metrics.read_amplification.observe(stream.read_amplification)
@@ -139,60 +158,136 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     @override
     async def ReportScores(self, request: pb.ReportScoresRequest, context: Any) -> pb.ReportScoresResponse:
         async with self._guard(context):
-            model, namespace = self._authorised(context, request.ctx)
-            tokens = tokens_from_pb(request.tokens)
-            scores = np.asarray(request.scores, np.float32)
-            updated = await asyncio.to_thread(
-                self._store.report_scores, tokens, scores, model=model, namespace=namespace
-            )
+            model, namespace, _ = self._authorised(context, request.ctx)
+            updated = await asyncio.to_thread(self._report_scores, request, model, namespace)
+            self._tenants.add(namespace, {"score_reports": 1})
             return pb.ReportScoresResponse(blocks_updated=updated)
 
     @override
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
         async with self._guard(context):
-            model, namespace = self._authorised(context, request.ctx)
-            tokens = tokens_from_pb(request.tokens)
+            model, namespace, _ = self._authorised(context, request.ctx)
             ttl = request.ttl_s or 60.0
-            lease = await asyncio.to_thread(
-                self._store.pin, tokens, model=model, namespace=namespace, ttl_s=ttl
-            )
-            self._lease_namespaces[lease.lease_id] = namespace
+            lease = await asyncio.to_thread(self._pin, request.tokens, model, namespace, ttl)
+            self._tenants.add(namespace, {"pins": 1})
             return pb.PinResponse(lease_id=lease.lease_id, num_blocks=len(lease.keys), ttl_s=ttl)
 
     @override
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> pb.UnpinResponse:
         async with self._guard(context):
             token = self._auth.caller(context.invocation_metadata())
-            namespace = self._lease_namespaces.get(request.lease_id)
+            namespace = self.leases.namespace_of(request.lease_id)
             if namespace is None:
-                raise NotFoundError(f"unknown lease {request.lease_id!r}")
+                raise NotFoundError(f"unknown lease {request.lease_id!r} (never granted, released, expired)")
             self._auth.check(token, namespace)
             await asyncio.to_thread(self._store.unpin, request.lease_id)
-            self._lease_namespaces.pop(request.lease_id, None)
+            self.leases.forget(request.lease_id)
             return pb.UnpinResponse()
 
     @override
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         async with self._guard(context):
-            self._auth.caller(context.invocation_metadata())
-            return stats_to_pb(await asyncio.to_thread(self._store.stats))
+            scope = self._auth.scope(self._auth.caller(context.invocation_metadata()))
+            if scope is None:  # an admin (or no auth): the whole store
+                return stats_to_pb(await asyncio.to_thread(self._store.stats))
+            stats = await asyncio.to_thread(
+                tenant_stats, self._store, self._tenants, scope, self.leases.count(scope)
+            )
+            return stats_to_pb(stats)
+
+    @override
+    async def CreateArena(self, request: pb.CreateArenaRequest, context: Any) -> pb.CreateArenaResponse:
+        async with self._guard(context):
+            owner = self._owner(context, request.namespace)
+            if not self._config.shm:
+                raise ArenaLimitError("shared memory is disabled on this server (shm = false)")
+            arena_id, ref = await asyncio.to_thread(
+                self.arenas.create, owner, request.nbytes, request.client_pid
+            )
+            return pb.CreateArenaResponse(
+                arena_id=arena_id, server_pid=ref.pid, fd=ref.fd, nbytes=ref.nbytes, inode=ref.inode
+            )
 
     @override
     async def ReleaseSegment(
         self, request: pb.ReleaseSegmentRequest, context: Any
     ) -> pb.ReleaseSegmentResponse:
         async with self._guard(context):
-            self._auth.caller(context.invocation_metadata())
-            self.arenas.release(request.shm_name)
+            owner = self._owner(context, request.namespace)
+            if request.arena_id:  # an old client names a /dev/shm file: nothing of ours to release
+                self.arenas.release(request.arena_id, owner)
             return pb.ReleaseSegmentResponse()
 
     # -- helpers ------------------------------------------------------------------
 
-    def _authorised(self, context: Any, ctx: pb.RequestContext) -> Any:
+    def _authorised(self, context: Any, ctx: pb.RequestContext) -> tuple[ModelSpec, str, str | None]:
         token = self._auth.caller(context.invocation_metadata())
         model, namespace = ctx_from_pb(ctx)
         self._auth.check(token, namespace)
-        return model, namespace
+        return model, namespace, token
+
+    def _owner(self, context: Any, namespace: str) -> Owner:
+        token = self._auth.caller(context.invocation_metadata())
+        namespace = namespace or "default"
+        validate_namespace(namespace)
+        self._auth.check(token, namespace)
+        return Owner(token, namespace)
+
+    def _tokens(self, tokens: Any) -> np.ndarray[Any, Any]:
+        return tokens_array(tokens, self._config.max_lookup_tokens, "max_lookup_tokens")
+
+    # Worker-thread bodies: token lists are converted there, off the event loop.
+
+    def _lookup(self, tokens: Any, model: ModelSpec, namespace: str) -> LookupResult:
+        return self._store.lookup(self._tokens(tokens), model=model, namespace=namespace)
+
+    def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
+        return self._store.load(
+            self._tokens(request.tokens), model=model, namespace=namespace,
+            budget=request.budget or 1.0, budget_tokens=request.budget_tokens or None,
+        )  # fmt: skip
+
+    def _report_scores(self, request: pb.ReportScoresRequest, model: ModelSpec, namespace: str) -> int:
+        tokens = self._tokens(request.tokens)
+        scores = np.asarray(request.scores, np.float32)
+        return self._store.report_scores(tokens, scores, model=model, namespace=namespace)
+
+    def _store_bytes(self, model: ModelSpec, num_tokens: int) -> int:
+        nbytes = num_tokens * model.token_bytes  # Python ints: no overflow, nothing allocated yet
+        if nbytes > self._config.max_store_bytes:
+            raise InvalidInputError(
+                f"KV of {num_tokens} tokens at {model.token_bytes} B/token is {nbytes} B, above "
+                f"max_store_bytes {self._config.max_store_bytes}"
+            )
+        return nbytes
+
+    async def _check_namespace_bytes(self, namespace: str) -> None:
+        quota = self._config.namespace_max_bytes
+        if not quota:
+            return
+        _, held = await asyncio.to_thread(namespace_usage, self._store, frozenset([namespace]))
+        if held >= quota:
+            raise LimitExceededError(
+                f"namespace {namespace!r} holds {held} B, its quota namespace_max_bytes is {quota}"
+            )
+
+    def _acquire_arena(self, arena_id: str, owner: Owner) -> ServerArena | None:
+        if not arena_id or not self._config.shm:
+            return None
+        return self.arenas.acquire(arena_id, owner)  # PermissionDeniedError before any work
+
+    def _pin(self, tokens: Any, model: ModelSpec, namespace: str, ttl: float) -> Lease:
+        lease = self._store.pin(self._tokens(tokens), model=model, namespace=namespace, ttl_s=ttl)
+        try:
+            self.leases.admit(namespace, lease)
+        except LimitExceededError:
+            self._store.unpin(lease.lease_id)
+            raise
+        return lease
+
+    def _block_bytes(self, key: bytes) -> int:
+        node = self._store.tree.get(key)
+        return 0 if node is None else node.nbytes
 
     def _guard(self, context: Any) -> _Guard:
         return _Guard(context)
@@ -233,54 +328,8 @@ class _Streaming:
         self._gauge.dec()
 
 
-class _ChunkWriter:
-    """Turns loaded chunks into messages in a worker thread, into shm when there is room."""
-
-    def __init__(self, stream: LoadStream, segment: Segment | None, model: ModelSpec) -> None:
-        self._chunks: Iterator[LoadedChunk] = iter(stream)
-        self._dense = None if segment is None else dense_view(segment.buf, model)
-        self._slot = 0
-
-    def next_batch(self, max_chunks: int, max_bytes: int) -> pb.LoadResponse | None:
-        """One message with up to `max_chunks` chunks and about `max_bytes` inline bytes."""
-        response = pb.LoadResponse()
-        batch = response.batch
-        inline = 0
-        for chunk in self._chunks:
-            inline += self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
-            if len(batch.chunks) == max_chunks or inline >= max_bytes:
-                break
-        return response if len(batch.chunks) else None
-
-    def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
-        """Fill `message`; returns the bytes placed inline (0 when they went to shm)."""
-        message.block_index, message.chunk_index, message.tier = (
-            chunk.block_index,
-            chunk.chunk_index,
-            chunk.tier,
-        )
-        message.positions.extend(chunk.positions.tolist())
-        n = len(chunk.positions)
-        if self._dense is not None and self._slot + n <= self._dense.shape[3]:
-            self._dense[:, :, :, self._slot : self._slot + n] = chunk.kv
-            message.shm.slot, message.shm.num_tokens = self._slot, n
-            self._slot += n
-            return 0
-        message.data = np.ascontiguousarray(chunk.kv).tobytes()
-        return int(chunk.kv.nbytes)
-
-
-def _place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, kv_start: int, model: Any) -> int:
-    """Copy one slice into `kv` (tokens from kv_start on); slices arrive in order."""
-    if (
-        part.start_token != kv_start + filled
-        or part.num_tokens == 0
-        or filled + part.num_tokens > kv.shape[3]
-    ):
-        raise InvalidInputError(
-            f"slice.start_token={part.start_token}, num_tokens={part.num_tokens}: expected a slice "
-            f"starting at {kv_start + filled} within {kv.shape[3]} tokens"
-        )
-    data = kv_from_bytes(part.data, model, part.num_tokens, "slice.data")
-    kv[:, :, :, filled : filled + part.num_tokens] = data
-    return filled + part.num_tokens
+def _pinned_quota(store: TieredStore, config: ServerConfig) -> int | None:
+    """Bytes one namespace may keep pinned: a share of the budget pins could exhaust."""
+    sc = store.config
+    budget = sc.disk_bytes if sc.lmdb_dir is not None else (None if store.durable else sc.memory_bytes)
+    return None if budget is None else int(budget * config.namespace_pinned_fraction)

@@ -92,31 +92,61 @@ class StoreResponse(_message.Message):
     bytes_written: int
     def __init__(self, num_tokens: _Optional[int] = ..., new_blocks: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
+class CreateArenaRequest(_message.Message):
+    __slots__ = ("namespace", "nbytes", "client_pid")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    nbytes: int
+    client_pid: int
+    def __init__(self, namespace: _Optional[str] = ..., nbytes: _Optional[int] = ..., client_pid: _Optional[int] = ...) -> None: ...
+
+class CreateArenaResponse(_message.Message):
+    __slots__ = ("arena_id", "server_pid", "fd", "nbytes", "inode")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    arena_id: str
+    server_pid: int
+    fd: int
+    nbytes: int
+    inode: int
+    def __init__(self, arena_id: _Optional[str] = ..., server_pid: _Optional[int] = ..., fd: _Optional[int] = ..., nbytes: _Optional[int] = ..., inode: _Optional[int] = ...) -> None: ...
+
 class ReleaseSegmentRequest(_message.Message):
-    __slots__ = ("shm_name",)
+    __slots__ = ("shm_name", "namespace", "arena_id")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
-    def __init__(self, shm_name: _Optional[str] = ...) -> None: ...
+    namespace: str
+    arena_id: str
+    def __init__(self, shm_name: _Optional[str] = ..., namespace: _Optional[str] = ..., arena_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseSegmentResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes")
+    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: float
     budget_tokens: int
     shm_name: str
     shm_bytes: int
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+    arena_id: str
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
 
 class LoadHeader(_message.Message):
     __slots__ = ("matched_tokens", "selected_tokens", "shm")

@@ -69,6 +69,11 @@ class KVCacheStub:
                 request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.CreateArena = channel.unary_unary(
+                '/kvsieve.v1.KVCache/CreateArena',
+                request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.CreateArenaRequest.SerializeToString,
+                response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.CreateArenaResponse.FromString,
+                _registered_method=True)
         self.ReleaseSegment = channel.unary_unary(
                 '/kvsieve.v1.KVCache/ReleaseSegment',
                 request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentRequest.SerializeToString,
@@ -121,6 +126,12 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateArena(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseSegment(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -164,6 +175,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.StatsRequest.FromString,
                     response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.StatsResponse.SerializeToString,
+            ),
+            'CreateArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateArena,
+                    request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.CreateArenaRequest.FromString,
+                    response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.CreateArenaResponse.SerializeToString,
             ),
             'ReleaseSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseSegment,
@@ -360,6 +376,33 @@ class KVCache:
             '/kvsieve.v1.KVCache/Stats',
             kvsieve_dot_v1_dot_kvsieve__pb2.StatsRequest.SerializeToString,
             kvsieve_dot_v1_dot_kvsieve__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsieve.v1.KVCache/CreateArena',
+            kvsieve_dot_v1_dot_kvsieve__pb2.CreateArenaRequest.SerializeToString,
+            kvsieve_dot_v1_dot_kvsieve__pb2.CreateArenaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,69 @@
+"""Moving KV between messages and arrays on the server: chunks out (inline or into a
+client's arena), slices in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore.errors import InvalidInputError
+from kvstore.model import ModelSpec
+from kvstore.shm import ServerArena, dense_view
+from kvstore.store import LoadedChunk, LoadStream
+from kvstore.wire import kv_from_bytes
+
+
+class ChunkWriter:
+    """Turns loaded chunks into messages in a worker thread, into shm when there is room."""
+
+    def __init__(self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec) -> None:
+        self._chunks: Iterator[LoadedChunk] = iter(stream)
+        self._dense = None if arena is None else dense_view(arena.buf, model)
+        self._slot = 0
+
+    def next_batch(self, max_chunks: int, max_bytes: int) -> pb.LoadResponse | None:
+        """One message with up to `max_chunks` chunks and about `max_bytes` inline bytes."""
+        response = pb.LoadResponse()
+        batch = response.batch
+        inline = 0
+        for chunk in self._chunks:
+            inline += self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
+            if len(batch.chunks) == max_chunks or inline >= max_bytes:
+                break
+        return response if len(batch.chunks) else None
+
+    def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
+        """Fill `message`; returns the bytes placed inline (0 when they went to shm)."""
+        message.block_index, message.chunk_index, message.tier = (
+            chunk.block_index,
+            chunk.chunk_index,
+            chunk.tier,
+        )
+        message.positions.extend(chunk.positions.tolist())
+        n = len(chunk.positions)
+        if self._dense is not None and self._slot + n <= self._dense.shape[3]:
+            self._dense[:, :, :, self._slot : self._slot + n] = chunk.kv
+            message.shm.slot, message.shm.num_tokens = self._slot, n
+            self._slot += n
+            return 0
+        message.data = np.ascontiguousarray(chunk.kv).tobytes()
+        return int(chunk.kv.nbytes)
+
+
+def place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, kv_start: int, model: Any) -> int:
+    """Copy one slice into `kv` (tokens from kv_start on); slices arrive in order."""
+    if (
+        part.start_token != kv_start + filled
+        or part.num_tokens == 0
+        or filled + part.num_tokens > kv.shape[3]
+    ):
+        raise InvalidInputError(
+            f"slice.start_token={part.start_token}, num_tokens={part.num_tokens}: expected a slice "
+            f"starting at {kv_start + filled} within {kv.shape[3]} tokens"
+        )
+    data = kv_from_bytes(part.data, model, part.num_tokens, "slice.data")
+    kv[:, :, :, filled : filled + part.num_tokens] = data
+    return filled + part.num_tokens

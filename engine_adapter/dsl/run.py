@@ -60,6 +60,7 @@ class RunStats:
     decode_steps: int = 0
     max_batch: int = 0
     branch_tokens: dict[str, int] = field(default_factory=dict)
+    killed_branches: list[str] = field(default_factory=list)  # stopped by `kill` while running
 
 
 @dataclass
@@ -292,6 +293,7 @@ class ProgramRun:
     def _kill(self, branch: _Branch) -> None:
         if branch.done or branch.killed:
             return
+        self.stats.killed_branches.append(branch.name)
         branch.killed, branch.request = True, None
         if branch.steps is not None:
             branch.steps.close()

@@ -15,6 +15,8 @@ PUBLISHED = {
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5",
+    "chaos": "server_kills client_kills flips_injected loads_checked wrong_kv server_crashes_unplanned "
+    "leaked_segments",
 }
 
 
@@ -23,6 +25,7 @@ PUBLISHED = {
     "name",
     [
         "transfer",
+        "chaos",
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
     ],

@@ -60,6 +60,7 @@ class Tally:
     disk_full: str = "not run"
     disk_full_store_errors: dict[str, int] = field(default_factory=dict)
     disk_full_server_survived: bool = False
+    disk_full_restart: str = "not run"
 
 
 class Chaos:
@@ -231,7 +232,23 @@ def full_disk(root: Path, tally: Tally, seconds: float) -> None:
         tally.disk_full_server_survived = server.proc is not None and server.proc.poll() is None
         tally.server_crashes_unplanned += not tally.disk_full_server_survived
         server.kill()
+        tally.disk_full_restart = _restart_on_full_disk(server)
+        tally.server_crashes_unplanned += tally.disk_full_restart.startswith("killed by signal")
         tally.disk_full = "ran"
+
+
+def _restart_on_full_disk(server: Sidecar) -> str:
+    """A fresh server on the full filesystem: serving, a clean refusal, or death by a signal."""
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as exc:
+        assert server.proc is not None
+        code = server.proc.poll()
+        if code is not None and code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"refused (exit {code}): {' '.join(str(exc).split())[-160:]}"
+    server.kill()
+    return "serving"
 
 
 def _fill(server: Sidecar, tally: Tally, seconds: float) -> None:

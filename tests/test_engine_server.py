@@ -50,14 +50,19 @@ def test_non_loopback_engine_without_tls_is_refused() -> None:
 class EngineThread:
     """An engine server on a free loopback port, served by an event loop in a thread."""
 
-    def __init__(self, engine: Any, config: ServerConfig) -> None:
+    def __init__(self, engine: Any, config: ServerConfig, root_cert: bytes | None = None) -> None:
         from engine_adapter.server import start_engine
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.running = asyncio.run_coroutine_threadsafe(start_engine(engine, config), self.loop).result(30)
-        self.channel = grpc.insecure_channel(self.running.address)
+        self.target = "127.0.0.1:" + self.running.address.rsplit(":", 1)[1]
+        if root_cert is None:
+            self.channel = grpc.insecure_channel(self.target)
+        else:  # the certificate is for "localhost"
+            options = [("grpc.ssl_target_name_override", "localhost")]
+            self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(root_cert), options)
         self.stub = pb_grpc.EngineStub(self.channel)
 
     def run(self, token: str | None, namespace: str = "", timeout: float = 120) -> list[pb.ProgramEvent]:
@@ -147,3 +152,36 @@ def test_the_stream_ends_with_an_error_when_the_store_dies(
     assert events and events[-1].kind == "error"
     assert "UNAVAILABLE" in json.loads(events[-1].value_json)
     assert "\n" not in json.loads(events[-1].value_json)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_network_engine_with_tokens_and_tls_serves_only_tls_clients(lm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from engine_adapter.engine import Engine
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    config = ServerConfig(listen="0.0.0.0:0", auth_tokens=TOKENS, tls_cert=cert, tls_key=key)
+    server = EngineThread(Engine(lm, None), config, root_cert=cert.read_bytes())
+    try:
+        assert server.running.address.startswith("0.0.0.0:")  # a network address, accepted with TLS + tokens
+        with pytest.raises(grpc.RpcError) as info:
+            server.run(None, timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert [e.kind for e in server.run("tok-a")] == ["yield", "done"]
+        with grpc.insecure_channel(server.target) as plain:  # plaintext is not spoken at all
+            request = pb.RunProgramRequest(source=PROGRAM)
+            metadata = [("authorization", "Bearer tok-a")]
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.EngineStub(plain).RunProgram(request, metadata=metadata, timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.close()

@@ -61,6 +61,8 @@ class Tally:
     disk_full_store_errors: dict[str, int] = field(default_factory=dict)
     disk_full_server_survived: bool = False
     disk_full_restart: str = "not run"
+    disk_full_stores_ok: int = 0
+    disk_full_first_error: str = ""
 
 
 class Chaos:
@@ -264,8 +266,10 @@ def _fill(server: Sidecar, tally: Tally, seconds: float) -> None:
             try:
                 client.store(prefix.tokens, prefix.kv, model=MODEL)
                 stored.append(prefix)
+                tally.disk_full_stores_ok += 1
             except Exception as exc:
                 code = exc.code.name if isinstance(exc, RpcFailedError) else type(exc).__name__
+                tally.disk_full_first_error = tally.disk_full_first_error or " ".join(str(exc).split())[:200]
                 tally.disk_full_store_errors[code] = tally.disk_full_store_errors.get(code, 0) + 1
         for prefix in stored[-5:]:  # what was stored before the disk filled still loads right
             with contextlib.suppress(Exception):

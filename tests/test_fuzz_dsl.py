@@ -6,6 +6,7 @@ ProgramError with a position; never another exception (a traceback on the server
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,11 @@ from hypothesis import strategies as st
 from engine_adapter.dsl import Limits, ProgramError, plan
 from engine_adapter.dsl.syntax import Fork, If, Node
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("KVSIEVE_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 LIMITS = Limits(
     max_source_bytes=4096, max_calls=6, max_live_branches=2, max_fork_depth=2, max_total_tokens=300
 )

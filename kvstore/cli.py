@@ -86,8 +86,11 @@ def _parser() -> argparse.ArgumentParser:
         description="An engine server: runs programs sent over gRPC (proto/kvsieve/v1/engine.proto) "
         "on the model, with prefix KV in a kvsieve sidecar (--store) or an embedded store (--data-dir).",
     )
-    p.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT (default 127.0.0.1:50061)")
     _add_model_flags(p, namespace=False)
+    p.add_argument("--config", type=Path, help="TOML file with an [engine] table (fields as the flags)")
+    # The sidecar's own listening rules and flags (auth tokens, TLS, loopback guard); each
+    # program's namespace comes from its caller's token. Default listen: 127.0.0.1:50061.
+    add_flags(p, ServerConfig, "engine server", skip=ENGINE_SKIPS)
     p.set_defaults(handler=_cmd_engine)
 
     p = sub.add_parser(
@@ -209,10 +212,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
             elif event.kind == "error":
                 print(f"kvsieve run: error: {event.value}", file=sys.stderr)
             exit_code = 1 if event.kind == "error" else exit_code
+    except (ValueError, FileNotFoundError, KVSieveError):
+        raise  # main prints these (exit 2)
+    except Exception as exc:  # one line, never a traceback (a broken model or store directory)
+        print(f"kvsieve run: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        exit_code = 1
     finally:
         if store is not None:
             store.close()
     return exit_code
+
+
+ENGINE_SKIPS = ("metrics_listen", "max_store_tokens", "shm")
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
@@ -220,15 +231,37 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 
     from engine_adapter.engine import Engine
     from engine_adapter.model import load_model
-    from engine_adapter.server import serve_engine
+    from engine_adapter.server import DEFAULT_LISTEN, check_engine_config, serve_engine
 
+    config = _engine_config(args, DEFAULT_LISTEN)
+    check_engine_config(config)  # refuse before the model loads
     store = _open_store(args)
     try:
-        asyncio.run(serve_engine(Engine(load_model(args.model), store), args.listen))
+        asyncio.run(serve_engine(Engine(load_model(args.model), store), config))
     finally:
         if store is not None:
             store.close()
     return 0
+
+
+def _engine_config(args: argparse.Namespace, default_listen: str) -> ServerConfig:
+    """The engine's listening rules: its own defaults < the [engine] table of --config < flags.
+
+    KVSIEVE_* variables are not read: they configure the sidecar on the same host.
+    """
+    import dataclasses
+    import tomllib
+
+    table: dict[str, Any] = {}
+    if args.config is not None:
+        with open(args.config, "rb") as fh:
+            table = tomllib.load(fh).get("engine", {})
+    allowed = {f.name for f in dataclasses.fields(ServerConfig)} - set(ENGINE_SKIPS)
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} in {args.config}[engine]; allowed: {sorted(allowed)}")
+    values = {"listen": default_listen, "metrics_listen": "", **table, **overrides(args, ServerConfig)}
+    return build_config(ServerConfig, env={}, overrides=values)
 
 
 def _key_value(item: str) -> tuple[str, str]:

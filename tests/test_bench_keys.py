@@ -17,6 +17,8 @@ PUBLISHED = {
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5",
     "radix": "match_us_kvsieve insert_us_kvsieve bytes_per_block_kvsieve",
+    "chaos": "server_kills client_kills flips_injected loads_checked wrong_kv server_crashes_unplanned "
+    "leaked_segments",
 }
 # A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
 # otherwise the first key, a string, says why, and none of the peer's keys is printed.
@@ -33,6 +35,7 @@ PEER_KEYS = {
     "name",
     [
         "transfer",
+        "chaos",
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
         "radix",

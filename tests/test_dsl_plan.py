@@ -59,6 +59,24 @@ BAD = [
     ),
     ('program p() {\n  if x == "a" { }\n}', "if on unknown name 'x'", 2),
     ('program p() {\n  h = fork { a = gen() return a }\n  user "{h}"\n}', "undefined variable 'h'", 3),
+    # A name is defined after an `if` only if both branches define it.
+    ('program p(a) {\n  if a == "x" { b = gen() }\n  yield b\n}', "yield of unknown name 'b'", 3),
+    ('program p(a) {\n  if a == "x" { } else { b = gen() }\n  user "{b}"\n}', "undefined variable 'b'", 3),
+    (
+        'program p(a) {\n  if a == "x" { b = gen() } else { c = gen() }\n  if b == "y" { }\n}',
+        "if on unknown name 'b'",
+        3,
+    ),
+    (
+        'program p(a) {\n  if not contains(a, "x") { h = fork { v = gen() return v } }\n  wait h\n}',
+        "wait needs fork handles; 'h' is not one",
+        3,
+    ),
+    (
+        'program p(a) {\n  h = fork {\n    if a == "x" { v = gen() }\n    return v\n  }\n}',
+        "return of unknown name 'v'",
+        4,
+    ),
 ]
 
 
@@ -106,3 +124,34 @@ def test_arguments_must_match_parameters() -> None:
         check_args(checked, {})
     with pytest.raises(ProgramError, match=r"unknown arguments \['other'\]"):
         check_args(checked, {"question": "q", "other": "x"})
+
+
+def test_a_name_defined_on_one_path_only_is_explained() -> None:
+    with pytest.raises(ProgramError) as info:
+        plan('program p(a) {\n  if a == "x" { b = gen() }\n  yield b\n}')
+    assert "defined in only one branch of an if" in str(info.value)
+    assert (info.value.line, info.value.column) == (3, 3)
+    assert str(info.value).splitlines()[-1] == "    ^"  # under the `y` of `yield`, two spaces in
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        'if a == "x" { b = gen() } else { b = select(["u", "v"]) }\n  yield b',
+        'b = gen()\n  if a == "x" { b = gen() }\n  yield b',  # defined before: still defined after
+        'if a == "x" { h = fork { v = gen() return v } wait h } else { h = fork { w = gen() return w } '
+        "wait h }\n  yield h",
+        'if a == "x" { b = gen() yield b }',  # used inside the branch that defines it
+    ],
+)
+def test_names_defined_on_every_path_are_readable_after_the_if(body: str) -> None:
+    checked = plan(f"program p(a) {{\n  {body}\n}}")
+    assert checked.calls >= 1
+
+
+def test_forks_in_both_branches_count_as_live_together() -> None:
+    body = 'if a == "x" { f = fork { v = gen() return v } } else { g = fork { v = gen() return v } }'
+    source = f"program p(a) {{\n  {body}\n  h = fork {{ v = gen() return v }}\n}}"
+    assert plan(source, Limits(max_live_branches=3)).calls == 3
+    with pytest.raises(ProgramError, match="max_live_branches"):  # the union bounds what may run
+        plan(source, Limits(max_live_branches=2))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter.dsl import Limits, plan, run_program
+from engine_adapter.dsl import Limits, ProgramError, plan, run_program
 from engine_adapter.dsl.run import ProgramRun
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
@@ -77,6 +77,7 @@ def test_speculative_example_kills_the_losing_draft(engine) -> None:  # type: ig
     loser = "detailed" if yields["route"] == "Brief" else "brief"
     winner = "brief" if loser == "detailed" else "detailed"
     assert winner in yields and loser not in yields
+    assert run.stats.killed_branches == [loser]  # it was still running when killed
     assert run.stats.branch_tokens.get(loser, 0) <= 1  # killed as soon as the router decided
 
 
@@ -95,7 +96,8 @@ def test_kill_stops_decoding_within_one_step(engine) -> None:  # type: ignore[no
     main_tokens = run.stats.branch_tokens["main"]
     story_tokens = run.stats.branch_tokens.get("story", 0)
     assert events[-1].kind == "done"
-    assert story_tokens <= 8  # it decoded beside `a` only; none after the kill, none beside `b`
+    assert run.stats.killed_branches == ["story"]  # killed mid-work: it had not finished
+    assert 1 <= story_tokens <= 8  # it decoded beside `a` only; none after the kill, none beside `b`
     assert main_tokens >= story_tokens + 3
 
 
@@ -138,7 +140,9 @@ def test_same_seed_same_output(engine) -> None:  # type: ignore[no-untyped-def]
     }}"""
     first, _ = _run(engine, source, {})
     second, _ = _run(engine, source, {})
-    assert [e.value for e in first if e.kind == "yield"] == [e.value for e in second if e.kind == "yield"]
+    values = [e.value for e in first if e.kind == "yield"]
+    assert len(values) == 1 and values[0]  # a real sample, not two empty runs
+    assert values == [e.value for e in second if e.kind == "yield"]
 
 
 def test_pins_are_released_after_error_and_disconnect(engine, store: TieredStore) -> None:  # type: ignore[no-untyped-def]
@@ -209,5 +213,50 @@ def test_engine_server_streams_events_and_stops_on_cancel(tmp_path: Path) -> Non
             assert client.stats().active_leases == 0  # released within a decode step of the cancel
     finally:
         proc.terminate()
-        proc.wait(30)
+        assert proc.wait(30) == 0  # SIGTERM: programs drained, clean exit
         sidecar.kill()
+
+
+def test_forks_of_the_same_name_in_sibling_forks_stay_apart(engine) -> None:  # type: ignore[no-untyped-def]
+    source = f"""program p() {{
+      {SYSTEM}
+      user "Say one word."
+      a = fork {{ h = fork {{ v = select(["Apple"]) return v }} wait h return h }}
+      b = fork {{ h = fork {{ v = select(["Banana"]) return v }} wait h return h }}
+      wait a, b
+      yield a, b
+    }}"""
+    events, run = _run(engine, source, {})
+    yields = {e.name: e.value for e in events if e.kind == "yield"}
+    assert events[-1].kind == "done", events[-1]
+    assert yields == {"a": "Apple", "b": "Banana"}  # each parent waited on its own child
+    assert sorted(b.name for b in run._branches) == ["a", "b", "h", "h", "main"]
+
+
+def test_an_unforeseen_executor_failure_ends_the_stream_with_one_error(engine, store: TieredStore) -> None:  # type: ignore[no-untyped-def]
+    from engine_adapter.dsl.plan import Plan
+    from engine_adapter.dsl.syntax import parse
+
+    # A plan the planner would refuse (b is defined on one path only), run unchecked:
+    # the executor must still end with an error event, not raise.
+    source = f'program p(a) {{\n  {SYSTEM}\n  user "Hi"\n  if a == "x" {{ b = gen() }}\n  yield b\n}}'
+    with pytest.raises(ProgramError, match="yield of unknown name 'b'"):
+        plan(source)
+    unchecked = Plan(parse(source), {}, 0, 0, Limits())
+    events = list(ProgramRun(engine, unchecked, {"a": "y"}).events())
+    assert [e.kind for e in events] == ["error"]
+    assert events[0].value == "KeyError: 'b'"
+    assert store.stats().active_leases == 0
+
+
+def test_run_command_reports_a_dead_store_in_one_line(tmp_path: Path) -> None:
+    from bench.sidecar import free_port
+
+    program = tmp_path / "hello.kvs"
+    program.write_text(f'program hello() {{\n  {SYSTEM}\n  user "Hi"\n  a = gen(max_tokens=2)\n  yield a\n}}')
+    cmd = [sys.executable, "-m", "kvstore.cli", "run", str(program), "--store", f"127.0.0.1:{free_port()}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("kvsieve run: error:")]
+    assert len(errors) == 1 and "UNAVAILABLE" in errors[0], result.stderr

@@ -81,13 +81,45 @@ class Plan:
 
 @dataclass
 class _Scope:
+    """Names visible at one point of a branch.
+
+    `partial` holds names defined on only some paths through an `if` (so not
+    readable after it); it exists to make the error message say why.
+    """
+
     values: set[str]
     handles: set[str]
     live: set[str] = field(default_factory=set)
     waited: set[str] = field(default_factory=set)
+    partial: set[str] = field(default_factory=set)
 
     def child(self) -> _Scope:
         return _Scope(set(self.values) | self.waited, set(), set(), set())
+
+    def copy(self) -> _Scope:
+        return _Scope(
+            set(self.values), set(self.handles), set(self.live), set(self.waited), set(self.partial)
+        )
+
+    def join(self, then: _Scope, otherwise: _Scope) -> None:
+        """After an `if`: a name is defined only if both branches define it.
+
+        Live branches are the union (a fork started on either path may still run),
+        which keeps max_live_branches an upper bound.
+        """
+        both = (then.values | then.handles | then.waited) & (
+            otherwise.values | otherwise.handles | otherwise.waited
+        )
+        either = (
+            then.values | then.handles | then.waited | otherwise.values | otherwise.handles | otherwise.waited
+        )
+        self.values = then.values & otherwise.values
+        self.handles = then.handles & otherwise.handles
+        self.waited = then.waited & otherwise.waited
+        self.live = then.live | otherwise.live
+        self.partial = (
+            (then.partial | otherwise.partial | (either - both)) - self.values - self.handles - self.waited
+        )
 
 
 class _Checker:
@@ -118,21 +150,30 @@ class _Checker:
         elif isinstance(node, Yield):
             for name in node.names:
                 if not (self.readable(name, scope) or name in scope.handles):
-                    raise self.fail(node, f"yield of unknown name {name!r}")
+                    raise self.fail(node, f"yield of unknown name {name!r}{_why(name, scope)}")
         elif isinstance(node, Kill):
             if node.name not in scope.handles:
-                raise self.fail(node, f"kill needs a fork handle; {node.name!r} is not one")
+                raise self.fail(
+                    node, f"kill needs a fork handle; {node.name!r} is not one{_why(node.name, scope)}"
+                )
             scope.live.discard(node.name)
         elif isinstance(node, Return):
             if not in_fork:
                 raise self.fail(node, "return is only allowed inside a fork")
             if not self.readable(node.name, scope):
-                raise self.fail(node, f"return of unknown name {node.name!r}")
+                raise self.fail(node, f"return of unknown name {node.name!r}{_why(node.name, scope)}")
         elif isinstance(node, If):
-            if not self.readable(node.cond.name, scope):
-                raise self.fail(node.cond, f"if on unknown name {node.cond.name!r}")
-            for branch in (node.then, node.otherwise):
-                self.block(branch, scope, depth, in_fork)
+            self.if_(node, scope, depth, in_fork)
+
+    def if_(self, node: If, scope: _Scope, depth: int, in_fork: bool) -> None:
+        """Each branch in its own copy of the scope; after the `if`, only what both define."""
+        name = node.cond.name
+        if not self.readable(name, scope):
+            raise self.fail(node.cond, f"if on unknown name {name!r}{_why(name, scope)}")
+        then, otherwise = scope.copy(), scope.copy()
+        self.block(node.then, then, depth, in_fork)
+        self.block(node.otherwise, otherwise, depth, in_fork)
+        scope.join(then, otherwise)
 
     def readable(self, name: str, scope: _Scope) -> bool:
         return name in scope.values or name in scope.waited
@@ -142,7 +183,7 @@ class _Checker:
         for name in names:
             if not self.readable(name, scope):
                 kind = "parameter" if text.is_param else "variable"
-                raise self.fail(text, f"undefined {kind} {name!r}")
+                raise self.fail(text, f"undefined {kind} {name!r}{_why(name, scope)}")
 
     def define(self, node: Node, name: str, scope: _Scope) -> None:
         if name in scope.handles:
@@ -235,9 +276,15 @@ class _Checker:
     def wait(self, node: Wait, scope: _Scope) -> None:
         for name in node.names:
             if name not in scope.handles:
-                raise self.fail(node, f"wait needs fork handles; {name!r} is not one")
+                raise self.fail(node, f"wait needs fork handles; {name!r} is not one{_why(name, scope)}")
             scope.live.discard(name)
             scope.waited.add(name)
+
+
+def _why(name: str, scope: _Scope) -> str:
+    if name in scope.partial:
+        return " (it is defined in only one branch of an if: define it in both, or use it inside)"
+    return ""
 
 
 def plan(source: str, limits: Limits | None = None) -> Plan:

@@ -60,6 +60,7 @@ class RunStats:
     decode_steps: int = 0
     max_batch: int = 0
     branch_tokens: dict[str, int] = field(default_factory=dict)
+    killed_branches: list[str] = field(default_factory=list)  # stopped by `kill` while running
 
 
 @dataclass
@@ -70,7 +71,7 @@ class _Decode:
 
 @dataclass
 class _WaitFor:
-    names: list[str]
+    branches: list[_Branch]
     any_of: bool = False
 
 
@@ -106,7 +107,10 @@ class ProgramRun:
         self._cancelled = cancelled or (lambda: False)
         self.args = check_args(plan, args)
         self.stats = RunStats()
-        self._branches: dict[str, _Branch] = {}
+        # Every branch ever started, in start order. Programs refer to a fork by the
+        # handle in their scope (a _Branch), never by name: two forks may share a name
+        # in different scopes (sibling forks' children, the two arms of an if).
+        self._branches: list[_Branch] = []
         self._events: list[Event] = []
         self._started = time.perf_counter()
         self._lease: str | None = None
@@ -121,7 +125,7 @@ class ProgramRun:
         """Run the program, streaming its events; releases everything however it ends."""
         main = _Branch("main", Context())
         main.steps = self._block(main, self.plan.syntax.body, dict(self.args), in_fork=False)
-        self._branches["main"] = main
+        self._branches.append(main)
         try:
             while not main.done:
                 self._check_deadline()
@@ -131,17 +135,18 @@ class ProgramRun:
                     break
                 self._decode_round()
             yield from self._drain()
-            yield Event("done", elapsed_s=self._elapsed())
-        except (ProgramRuntimeError, RuntimeError, ValueError) as exc:
-            yield Event("error", value=str(exc), elapsed_s=self._elapsed())
+            ending = Event("done", elapsed_s=self._elapsed())
+        except Exception as exc:  # any failure ends the stream with one error event, never a raise
+            ending = Event("error", value=_describe(exc), elapsed_s=self._elapsed())
         finally:
             self._release()
+        yield ending
 
     def _advance_runnable(self) -> None:
         progressed = True
         while progressed:
             progressed = False
-            for branch in list(self._branches.values()):
+            for branch in list(self._branches):
                 if branch.done or branch.killed or isinstance(branch.request, _Decode):
                     continue
                 if isinstance(branch.request, _WaitFor) and not self._satisfied(branch.request):
@@ -159,9 +164,9 @@ class ProgramRun:
             branch.value = stop.value.value if isinstance(stop.value, _Returned) else stop.value
 
     def _decode_round(self) -> None:
-        decoding = [b for b in self._branches.values() if isinstance(b.request, _Decode) and not b.killed]
+        decoding = [b for b in self._branches if isinstance(b.request, _Decode) and not b.killed]
         if not decoding:
-            waiting = [b.name for b in self._branches.values() if isinstance(b.request, _WaitFor)]
+            waiting = [b.name for b in self._branches if isinstance(b.request, _WaitFor)]
             if waiting:
                 raise ProgramRuntimeError(f"branches {waiting} wait on each other")
             return
@@ -184,7 +189,7 @@ class ProgramRun:
             self.stats.branch_tokens[branch.name] = self.stats.branch_tokens.get(branch.name, 0) + 1
 
     def _satisfied(self, wait: _WaitFor) -> bool:
-        finished = [self._branches[n].done or self._branches[n].killed for n in wait.names]
+        finished = [b.done or b.killed for b in wait.branches]
         return any(finished) if wait.any_of else all(finished)
 
     # -- statements ---------------------------------------------------------------
@@ -209,19 +214,18 @@ class ProgramRun:
         elif isinstance(node, Select):
             scope[node.target] = self._select(ctx, node.options)
         elif isinstance(node, Fork):
-            self._fork(branch, node, scope)
+            scope[node.target] = self._fork(branch, node, scope)
         elif isinstance(node, Wait):
-            yield _WaitFor(list(node.names))
-            scope.update({n: self._branches[n].value for n in node.names})
+            yield _WaitFor([scope[n] for n in node.names])
         elif isinstance(node, Yield):
             yield from self._yield(node, scope)
         elif isinstance(node, Kill):
-            self._kill(node.name)
+            self._kill(scope[node.name])
         elif isinstance(node, If):
             chosen = node.then if self._holds(node.cond, scope) else node.otherwise
             return (yield from self._block(branch, chosen, scope, in_fork))
         elif isinstance(node, Return):
-            return _Returned(scope[node.name])
+            return _Returned(_value(scope[node.name]))
         return None
 
     def _gen(self, branch: _Branch, op: GenOp) -> Generator[Any, Any, Any]:
@@ -266,7 +270,7 @@ class ProgramRun:
         ctx.pending += self.engine.lm.tokenizer.encode(best, add_special_tokens=False) + self._end
         return best
 
-    def _fork(self, parent: _Branch, node: Fork, scope: dict[str, Any]) -> None:
+    def _fork(self, parent: _Branch, node: Fork, scope: dict[str, Any]) -> _Branch:
         self._flush(parent.ctx)  # the shared context is computed once, here, for every child
         ctx = parent.ctx
         child = _Branch(
@@ -274,28 +278,22 @@ class ProgramRun:
             Context(list(ctx.tokens), [], share_cache(ctx.cache, self.engine.lm.model.config), ctx.logits),
         )
         child.steps = self._block(child, node.body, dict(scope), in_fork=True)
-        self._branches[node.target] = child
+        self._branches.append(child)
+        return child
 
     def _yield(self, node: Yield, scope: dict[str, Any]) -> Generator[Any, Any, None]:
         remaining = list(node.names)
         while remaining:  # in order of readiness
-            ready = [
-                n
-                for n in remaining
-                if n not in self._branches or self._branches[n].done or self._branches[n].killed
-            ]
-            for name in ready:
-                branch = self._branches.get(name)
-                value = scope[name] if branch is None else branch.value
-                self._events.append(Event("yield", name, value, self._elapsed()))
+            for name in [n for n in remaining if _ready(scope[n])]:
+                self._events.append(Event("yield", name, _value(scope[name]), self._elapsed()))
                 remaining.remove(name)
             if remaining:
-                yield _WaitFor(remaining, any_of=True)
+                yield _WaitFor([scope[n] for n in remaining], any_of=True)
 
-    def _kill(self, name: str) -> None:
-        branch = self._branches[name]
+    def _kill(self, branch: _Branch) -> None:
         if branch.done or branch.killed:
             return
+        self.stats.killed_branches.append(branch.name)
         branch.killed, branch.request = True, None
         if branch.steps is not None:
             branch.steps.close()
@@ -327,12 +325,14 @@ class ProgramRun:
         self._lease = lease.lease_id
 
     def _release(self) -> None:
-        for branch in self._branches.values():
+        for branch in self._branches:
             if branch.steps is not None:
                 branch.steps.close()
             branch.ctx = Context()
         if self._lease is not None and self.engine.store is not None and not self.keep:
-            with contextlib.suppress(KeyError):  # already expired
+            # Already expired (KeyError), or the store is gone (a sidecar killed mid-run):
+            # the lease then ends by its TTL, and the run must still end its stream.
+            with contextlib.suppress(Exception):
                 self.engine.store.unpin(self._lease)
             self._lease = None
 
@@ -345,11 +345,11 @@ class ProgramRun:
 
     def _render(self, text: Text, scope: dict[str, Any]) -> str:
         if text.is_param:
-            return _as_text(scope[text.value])
-        return PLACEHOLDER.sub(lambda m: _as_text(scope[m.group(1)]), text.value)
+            return _as_text(_value(scope[text.value]))
+        return PLACEHOLDER.sub(lambda m: _as_text(_value(scope[m.group(1)])), text.value)
 
     def _holds(self, cond: Cond, scope: dict[str, Any]) -> bool:
-        value = _as_text(scope[cond.name])
+        value = _as_text(_value(scope[cond.name]))
         result = value.strip() == cond.text if cond.kind == "equals" else cond.text in value
         return result != cond.negated
 
@@ -368,6 +368,22 @@ class ProgramRun:
     def _drain(self) -> Iterator[Event]:
         events, self._events = self._events, []
         yield from events
+
+
+def _ready(entry: Any) -> bool:
+    """Whether a scope entry can be yielded now: a value, or a fork that ended."""
+    return not isinstance(entry, _Branch) or entry.done or entry.killed
+
+
+def _value(entry: Any) -> Any:
+    """The value of a scope entry: a fork handle reads as what its branch returned."""
+    return entry.value if isinstance(entry, _Branch) else entry
+
+
+def _describe(exc: Exception) -> str:
+    """One line for an error event: the run's own errors as they are, others with their type."""
+    text = str(exc) if isinstance(exc, ProgramRuntimeError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
 
 
 def _as_text(value: Any) -> str:

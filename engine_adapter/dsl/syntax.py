@@ -6,6 +6,8 @@ The grammar is declarative: messages, gen, select, fork/wait/yield/kill, if with
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -16,6 +18,11 @@ KEYWORDS = (
     "program", "gen", "select", "fork", "wait", "yield", "kill", "return",
     "if", "else", "contains", "not", "system", "user", "assistant",
 )  # fmt: skip
+
+# Blocks inside blocks, at most. Far beyond any real program, and far below the
+# recursion the tree conversion and the planner would need to fail on.
+MAX_NESTING = 32
+_BRACES = re.compile(r'"(?:\\.|[^"\\])*"|#[^\n]*|[{}]')
 
 GRAMMAR = r"""
 start: "program" NAME "(" [NAME ("," NAME)*] ")" block
@@ -146,6 +153,7 @@ def parse(source: str) -> ProgramSyntax:
     """Parse program text. Raises ProgramError with line, column and a caret snippet."""
     import lark
 
+    _check_nesting(source)
     parser = _parser()
     try:
         tree = parser.parse(source)
@@ -156,7 +164,26 @@ def parse(source: str) -> ProgramSyntax:
     name, *rest = tree.children
     block = rest[-1]
     params = [str(p) for p in rest[:-1] if p is not None]
-    return ProgramSyntax(str(name), params, _block(block), source)
+    try:
+        body = _block(block)
+    except ProgramError as exc:  # raised deep in the tree, where the source is not at hand
+        raise ProgramError(exc.message, source, exc.line, exc.column) from None
+    return ProgramSyntax(str(name), params, body, source)
+
+
+def _check_nesting(source: str) -> None:
+    """ProgramError at the first `{` nested deeper than MAX_NESTING (strings and comments skipped)."""
+    depth = 0
+    for match in _BRACES.finditer(source):
+        text = match.group()
+        if text == "{":
+            depth += 1
+            if depth > MAX_NESTING:
+                line = source.count("\n", 0, match.start()) + 1
+                column = match.start() - (source.rfind("\n", 0, match.start()) + 1) + 1
+                raise ProgramError(f"blocks nested deeper than {MAX_NESTING}", source, line, column)
+        elif text == "}":
+            depth -= 1
 
 
 @cache
@@ -204,12 +231,13 @@ def _stmt(tree: Any) -> Node:
     raise ProgramError(f"unknown statement {kind}", "", line, column)
 
 
-def _cond(tree: Any, negated: bool = False) -> Cond:
+def _cond(tree: Any) -> Cond:
     line, column = _pos(tree)
-    if tree.data == "negate":
-        return _cond(tree.children[-1], not negated)
+    negated = False
+    while tree.data == "negate":  # a loop, not recursion: `not not ... not` may be long
+        negated, tree = not negated, tree.children[-1]
     name, text = tree.children
-    return Cond(line, column, str(tree.data), str(name), _unquote(str(text)), negated)
+    return Cond(line, column, str(tree.data), str(name), _unquote(text), negated)
 
 
 def _text(tree: Any) -> Text:
@@ -217,7 +245,7 @@ def _text(tree: Any) -> Text:
     token = tree.children[0]
     if tree.data == "var":
         return Text(line, column, str(token)[1:], is_param=True)
-    return Text(line, column, _unquote(str(token)))
+    return Text(line, column, _unquote(token))
 
 
 def _kwargs(children: list[Any]) -> dict[str, Any]:
@@ -235,14 +263,21 @@ def _kwargs(children: list[Any]) -> dict[str, Any]:
 
 def _literal(tree: Any) -> Any:
     if tree.data == "string":
-        return _unquote(str(tree.children[0]))
+        return _unquote(tree.children[0])
     if tree.data == "number":
-        text = str(tree.children[0])
-        return float(text) if any(c in text for c in ".eE") else int(text)
+        token = tree.children[0]
+        text = str(token)
+        try:
+            return float(text) if any(c in text for c in ".eE") else int(text)
+        except ValueError as exc:  # e.g. an integer of thousands of digits
+            raise ProgramError(f"bad number: {exc}", "", token.line, token.column) from None
     return [_literal(c) for c in tree.children if c is not None]
 
 
-def _unquote(token: str) -> str:
-    import json
-
-    return str(json.loads(token))
+def _unquote(token: Any) -> str:
+    """A string literal's value (JSON escapes); ProgramError at the literal if it has bad ones."""
+    try:
+        return str(json.loads(str(token)))
+    except ValueError as exc:
+        reason = getattr(exc, "msg", str(exc))
+        raise ProgramError(f"bad string literal: {reason}", "", token.line, token.column) from None

@@ -216,11 +216,6 @@ HUGE_SPECS = st.builds(
 )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,  # flips to a failure once fixed: then remove this marker
-    reason="issue 10 item 6 (open here, fixed on the servicer's branch): Store allocates "
-    "model.kv_shape(n) before any byte limit, so a huge valid spec gives INTERNAL MemoryError",
-)
 @FUZZ
 @given(HUGE_SPECS, st.integers(1, 4))
 def test_huge_but_valid_model_specs_are_refused_before_allocation(

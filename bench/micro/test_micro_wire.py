@@ -17,8 +17,9 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client import ArenaPool, RemoteLoadStream
 from kvstore.model import ModelSpec
 from kvstore.results import LoadedChunk
+from kvstore.server.chunks import ChunkWriter
 from kvstore.server.config import ServerConfig
-from kvstore.server.servicer import _CHUNKS_PER_MESSAGE, _ChunkWriter
+from kvstore.server.servicer import _CHUNKS_PER_MESSAGE
 from kvstore.store import LoadStream
 from kvstore.wire import ctx_from_pb, ctx_to_pb, tokens_from_pb
 
@@ -47,7 +48,7 @@ def server_side(request: bytes, chunks: list[LoadedChunk]) -> list[bytes]:
     message = pb.LoadRequest.FromString(request)
     ctx_from_pb(message.ctx)
     tokens_from_pb(message.tokens)
-    writer = _ChunkWriter(cast(LoadStream, chunks), None, MODEL)
+    writer = ChunkWriter(cast(LoadStream, chunks), None, MODEL)
     limit = ServerConfig().max_message_bytes // 2
     out = []
     while response := writer.next_batch(_CHUNKS_PER_MESSAGE, limit):
@@ -58,7 +59,7 @@ def server_side(request: bytes, chunks: list[LoadedChunk]) -> list[bytes]:
 def client_side(messages: list[bytes]) -> list[LoadedChunk]:
     """Parse the response messages into chunks, as the client's load stream does."""
     responses = iter([pb.LoadResponse.FromString(m) for m in messages])
-    return list(RemoteLoadStream(responses, MODEL, None, ArenaPool()))
+    return list(RemoteLoadStream(responses, MODEL, None, ArenaPool(lambda namespace, nbytes: None)))
 
 
 def load_request() -> bytes:

@@ -51,10 +51,18 @@ def _parser() -> argparse.ArgumentParser:
         "generate",
         help="answer a prompt with the attached model, reusing cached prefix KV",
         description="Answer PROMPT with SmolLM2-135M-Instruct (or --model), loading cached prefix KV "
-        "from an embedded store (--data-dir, default ~/.cache/kvsieve/data) or a sidecar (--store).",
+        "from an embedded store (--data-dir, default ~/.cache/kvsieve/data) or a sidecar (--store). "
+        "Only whole blocks of 256 prompt tokens are cached: ask about a --context document to see reuse "
+        "(run the same command twice; -v tells what was loaded instead of computed).",
     )
-    p.add_argument("prompt", help="the user message")
+    p.add_argument("prompt", help="the user message (the question, when --context is given)")
     p.add_argument("--system", help="a system message before it")
+    p.add_argument(
+        "--context",
+        metavar="FILE",
+        help="a text document placed before PROMPT in the user message ('-' reads stdin); "
+        "its blocks are cached, so later questions about it load them instead of recomputing",
+    )
     p.add_argument("--budget", type=float, default=1.0, help="fraction of the cached prefix to load, (0, 1]")
     _add_model_flags(p, no_store=True)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
@@ -164,8 +172,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine_adapter.sampling import Sampling
 
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+    user = args.prompt if args.context is None else f"{_read_context(args.context)}\n\n{args.prompt}"
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
+        {"role": "user", "content": user}
     ]
     lm = load_model(args.model)
     store = _open_store(args)
@@ -186,7 +195,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"({len(result.token_ids)} tokens, {result.finish_reason})",
             file=sys.stderr,
         )
+        from engine_adapter.model import cache_dir
+        from engine_adapter.reuse import reuse_summary
+
+        rates_file = cache_dir() / "prefill-rates.json"
+        print(reuse_summary(result, lm.spec.fingerprint.hex(), rates_file), file=sys.stderr)
     return 0
+
+
+def _read_context(source: str) -> str:
+    """The --context document: a UTF-8 text file, or stdin for '-'. ValueError names the problem."""
+    if source == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"--context {source!r} is not a readable file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"--context {source!r} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from exc
+    if not text.strip():
+        raise ValueError(f"--context {source!r} is empty")
+    return text.strip()
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -15,10 +15,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from bench.sidecar import free_port
 
 NUM_SLOTS = 16384
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000
+
+
+def free_cluster_port() -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is free too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 55000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def server_binary() -> str | None:
@@ -40,7 +60,7 @@ class RedisNode:
         binary = server_binary()
         if binary is None:
             raise RuntimeError("redis-server (or valkey-server) is not installed")
-        self.port = self.port or free_port()
+        self.port = self.port or (free_cluster_port() if self.cluster else free_port())
         self.workdir.mkdir(parents=True, exist_ok=True)
         cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(self.workdir), "--maxmemory", self.maxmemory,
@@ -61,8 +81,10 @@ class RedisNode:
         return f"127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
-        # Timeouts: a port another process grabbed must fail the start, not hang it.
-        return redis.Redis(port=self.port, socket_timeout=2, socket_connect_timeout=2)
+        # Timeouts and no retries: a server that did not start must fail the start, not hang it.
+        return redis.Redis(
+            port=self.port, socket_timeout=2, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0)
+        )
 
     def kill(self) -> int:
         """SIGKILL the server; returns its exit status (negative: the signal)."""
@@ -78,6 +100,8 @@ class RedisNode:
     def _wait_ping(self) -> None:
         client = self.client()
         for _ in range(200):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}")
             try:
                 client.ping()
                 return

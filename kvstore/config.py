@@ -92,8 +92,12 @@ class StoreConfig:
         object.__setattr__(self, "remote_nodes", tuple(n.strip() for n in nodes if n.strip()))
         if self.remote_url is not None and self.remote_nodes:
             raise InvalidInputError("set remote_url (one server) or remote_nodes (a cluster), not both")
-        if self.remote_url is not None and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidInputError(f"remote_url must be redis://, rediss:// or unix://, got {self.remote_url!r}")
+        if self.remote_url is not None and not self.remote_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise InvalidInputError(
+                f"remote_url must be redis://, rediss:// or unix://, got {self.remote_url!r}"
+            )
         for node in self.remote_nodes:
             host, _, port = node.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -110,7 +114,9 @@ class StoreConfig:
         if self.remote_drain_s < 0:
             raise InvalidInputError(f"remote_drain_s must be >= 0, got {self.remote_drain_s}")
         if self.remote_breaker_failures < 1:
-            raise InvalidInputError(f"remote_breaker_failures must be >= 1, got {self.remote_breaker_failures}")
+            raise InvalidInputError(
+                f"remote_breaker_failures must be >= 1, got {self.remote_breaker_failures}"
+            )
         if not 0 < self.remote_breaker_reset_s <= 30:
             raise InvalidInputError(
                 f"remote_breaker_reset_s must be in (0, 30], got {self.remote_breaker_reset_s}"

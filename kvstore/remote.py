@@ -16,6 +16,7 @@ counted. What is counted (`StoreStats.counters`, exported as `kvsieve_remote_*`)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from kvstore.config import StoreConfig
@@ -44,15 +45,14 @@ class RemoteLink:
         on_written: Callable[[int], None] = lambda nbytes: None,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        breaker_args = {"failure_threshold": config.remote_breaker_failures,
-                        "reset_s": config.remote_breaker_reset_s}  # fmt: skip
-        breaker = CircuitBreaker(**breaker_args) if clock is None else CircuitBreaker(**breaker_args, clock=clock)
         self.tier = RedisTier(
             url=config.remote_url,
             nodes=config.remote_nodes,
             prefix=config.remote_prefix,
             timeout_s=config.remote_timeout_s,
-            breaker=breaker,
+            new_breaker=lambda: CircuitBreaker(
+                config.remote_breaker_failures, config.remote_breaker_reset_s, clock=clock or time.monotonic
+            ),
         )
         self._on_written = on_written
         self._drain_s = config.remote_drain_s
@@ -78,15 +78,18 @@ class RemoteLink:
     def counters(self) -> dict[str, int]:
         """The `remote.*` counters and gauges (see module docstring)."""
         out = {f"remote.{name}": value for name, value in self.tier.counters().items()}
-        breaker = self.tier.breaker.snapshot()
-        out |= {"remote.breaker_state": int(breaker.state), "remote.breaker_opens": breaker.opens,
-                "remote.breaker_closes": breaker.closes}  # fmt: skip
+        breaker = self.tier.breaker_snapshot()
+        out["remote.breaker_state"] = int(breaker.state)
+        out["remote.breaker_opens"] = breaker.opens
+        out["remote.breaker_closes"] = breaker.closes
         if self.queue is None:
             out["remote.write_failures"] = self._sync_failures
             return out
         queued = self.queue.stats()
-        out |= {"remote.write_failures": queued.failed, "remote.queue_drops": queued.dropped,
-                "remote.queue_blocks": queued.pending_blocks, "remote.queue_bytes": queued.pending_bytes}  # fmt: skip
+        out["remote.write_failures"] = queued.failed
+        out["remote.queue_drops"] = queued.dropped
+        out["remote.queue_blocks"] = queued.pending_blocks
+        out["remote.queue_bytes"] = queued.pending_bytes
         return out
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ local tier, so a lookup never promises data that a crash could lose.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -393,7 +394,9 @@ class TieredStore:
             if not missing:
                 break
             for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
-                chunk = None if data is None else self._decode_durable(meta, block_index, index, data, tier, tally)
+                if data is None:
+                    continue
+                chunk = self._decode_durable(meta, block_index, index, data, tier, tally)
                 if chunk is not None:
                     found[index] = chunk
                     self._promote(meta, index, chunk, data)
@@ -431,10 +434,8 @@ class TieredStore:
             return self._decode(meta, block_index, index, data, tier.name, tally)
         except ChecksumError:
             remote.count_corrupt()
-            try:
+            with contextlib.suppress(KVSieveError):  # counted by the tier; a later reader retries
                 remote.delete_block(meta.key)
-            except KVSieveError:
-                pass  # the remote tier counted why; a later reader will try again
             return None
 
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:

@@ -32,10 +32,11 @@ from redis.retry import Retry
 from kvstore.errors import ChecksumError, KVSieveError
 from kvstore.meta import BlockMeta
 from kvstore.tiers.base import TierFullError, TierUsage
-from kvstore.tiers.breaker import CircuitBreaker
+from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
 
 T = TypeVar("T")
 _FAILURES = (redis.RedisError, RedisClusterException, OSError)
+_MISS: Any = object()  # a command whose node failed or was skipped (distinct from a nil reply)
 
 
 class RemoteUnavailableError(KVSieveError):
@@ -61,7 +62,8 @@ class RedisTier:
         prefix: namespace of every key, so that several deployments can share a server.
         ttl_s: expiry of every key; None keeps keys until the server evicts them.
         timeout_s: socket connect and read timeout of every call.
-        breaker: the circuit breaker; a default one (3 failures, 1 s, up to 30 s) if None.
+        new_breaker: makes the circuit breaker of each node (one per cluster node, so
+            that a dead node does not cut off the others); default 3 failures, 1 s.
     """
 
     name = "redis"
@@ -73,12 +75,13 @@ class RedisTier:
         prefix: str = "kvsieve",
         ttl_s: int | None = None,
         timeout_s: float = 0.5,
-        breaker: CircuitBreaker | None = None,
+        new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
     ) -> None:
         if url is None and not nodes:
             raise ValueError("the remote tier needs a url or a list of cluster nodes")
         self.cluster = bool(nodes)
-        self.breaker = breaker or CircuitBreaker()
+        self.new_breaker = new_breaker
+        self.breakers: dict[str, CircuitBreaker] = {}
         self._where = ",".join(nodes) if nodes else str(url)
         self._nodes = [parse_node(n) for n in nodes]
         self._url = url
@@ -86,50 +89,55 @@ class RedisTier:
         self._prefix = prefix.encode()
         self._ttl = ttl_s
         self._counts: Counter[str] = Counter()
-        self._count_lock = threading.Lock()
-        self._client_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._client: Any = None
-        # Reach the server once now, so that a typo shows at start-up; a server that is
-        # merely down is not fatal: the breaker keeps the sidecar serving locally.
-        self._call(lambda c: c.ping(), None)
+        self._stale_topology = False
+        # Reach the server once now, so that a typo shows in the counters at start-up; a
+        # server that is merely down is not fatal: the breaker keeps the sidecar serving locally.
+        self._pipelined([(self._usage_key, ("PING",))])
 
     # -- Tier protocol ------------------------------------------------------------
 
     def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
-        self._call_or_raise(lambda c: self._put(c, meta, chunks), "write")
+        old = _parse_or_none(self._read_metas([meta.key], raise_errors=True)[0])
+        commands: list[tuple[Any, ...]] = []
+        if old is not None and old.layout_version != meta.layout_version:
+            commands.append(("DEL", *self._chunk_keys(old)))
+        for index, data in enumerate(chunks):
+            commands.append(self._set(self._ckey(meta.key, meta.layout_version, index), data))
+        commands.append(self._set(self._mkey(meta.key), meta.to_bytes()))
+        if old is None:
+            self._transaction(meta.key, commands, (meta.nbytes, 1, meta.num_chunks))
+        else:
+            self._transaction(
+                meta.key, commands, (meta.nbytes - old.nbytes, 0, meta.num_chunks - old.num_chunks)
+            )
 
     def put_meta(self, meta: BlockMeta) -> bool:
         # XX: only if the block is still there; the remote may have evicted it.
-        data = meta.to_bytes()
-        return bool(self._call(lambda c: c.set(self._mkey(meta.key), data, xx=True, ex=self._ttl), False))
+        command = (*self._set(self._mkey(meta.key), meta.to_bytes()), "XX")
+        reply = self._pipelined([(meta.key, command)])[0]
+        return reply is not _MISS and bool(reply)
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         return self.get_many([(meta, indices)])[0]
 
-    def get_many(
-        self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]
-    ) -> list[list[memoryview | None]]:
-        """Chunks of several blocks in one pipeline (one MGET per block, grouped per node).
+    def get_many(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> list[list[memoryview | None]]:
+        """Chunks of several blocks: one MGET per block, in one pipeline per node.
 
-        A block whose read failed comes back as all None.
+        A block whose node failed comes back as all None (the other nodes still answer).
         """
-        wanted = [(meta, list(indices)) for meta, indices in requests if indices]
-        misses = [[None] * len(indices) for _, indices in requests]
-        if not wanted:
-            return misses  # type: ignore[return-value]
-
-        def read(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for meta, indices in wanted:
-                # MGET by name: redis-py's cluster pipeline refuses .mget(), but one block's
-                # keys share a hash tag, so the node can answer them in one command.
-                pipe.execute_command("MGET", *[self._ckey(meta.key, meta.layout_version, i) for i in indices])
-            return list(pipe.execute())
-
-        replies = iter(self._call(read, [[None] * len(ix) for _, ix in wanted]))
+        commands = [
+            (meta.key, ("MGET", *[self._ckey(meta.key, meta.layout_version, i) for i in indices]))
+            for meta, indices in requests
+            if indices
+        ]
+        replies = iter(self._pipelined(commands))
         out: list[list[memoryview | None]] = []
         for _meta, indices in requests:
             values = next(replies) if indices else []
+            if values is _MISS:
+                values = [None] * len(indices)
             out.append([None if v is None else memoryview(v) for v in values])
         return out
 
@@ -137,12 +145,9 @@ class RedisTier:
         return self.get_metas([key])[0]
 
     def get_metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
-        """Metadata of several blocks in one round trip per node; None where missing or malformed."""
-        if not keys:
-            return []
-        values = self._call(lambda c: self._read_metas(c, keys), [None] * len(keys))
+        """Metadata of several blocks, one pipeline per node; None where missing or malformed."""
         out: list[BlockMeta | None] = []
-        for value in values:
+        for value in self._read_metas(keys):
             try:
                 out.append(None if value is None else BlockMeta.from_bytes(value))
             except ChecksumError:
@@ -151,24 +156,23 @@ class RedisTier:
         return out
 
     def contains(self, key: bytes) -> bool:
-        return bool(self._call(lambda c: c.exists(self._mkey(key)), 0))
+        reply = self._pipelined([(key, ("EXISTS", self._mkey(key)))])[0]
+        return reply is not _MISS and bool(reply)
 
     def delete_block(self, key: bytes) -> int:
-        meta = self.get_meta(key)
+        meta = _parse_or_none(self._read_metas([key], raise_errors=True)[0])
         if meta is None:
             return 0
-
-        def delete(client: Any) -> None:
-            pipe = client.pipeline(transaction=True)
-            pipe.delete(self._mkey(key), *self._chunk_keys(meta))
-            self._count_usage(client, pipe, -meta.nbytes, -1, -meta.num_chunks)
-
-        self._call_or_raise(delete, "delete")
+        self._transaction(key, [("DEL", self._mkey(key), *self._chunk_keys(meta))],
+                          (-meta.nbytes, -1, -meta.num_chunks))  # fmt: skip
         return meta.nbytes
 
     def iter_meta(self) -> Iterator[BlockMeta]:
         pattern = self._prefix + b":{*}:m"
-        mkeys = self._call(lambda c: list(c.scan_iter(match=pattern, count=1000)), [])
+        try:
+            mkeys = self._guard("scan", lambda: list(self._connected().scan_iter(match=pattern, count=1000)))
+        except RemoteUnavailableError:
+            return
         for mkey in mkeys:
             tag = bytes(mkey)[len(self._prefix) + 2 : -3]
             meta = self.get_meta(bytes.fromhex(tag.decode()))
@@ -177,13 +181,15 @@ class RedisTier:
 
     def usage(self) -> TierUsage:
         """Counters kept beside the data (approximate once Redis evicts on its own)."""
-        fields = (b"used", b"blocks", b"chunks")
-        values = self._call(lambda c: c.hmget(self._usage_key, fields), [0, 0, 0])
+        reply = self._pipelined([(self._usage_key, ("HMGET", self._usage_key, "used", "blocks", "chunks"))])[
+            0
+        ]
+        values = [0, 0, 0] if reply is _MISS else reply
         used, blocks, chunks = (max(int(v or 0), 0) for v in values)
         return TierUsage(used, None, blocks, chunks)
 
     def close(self) -> None:
-        with self._client_lock:
+        with self._lock:
             if self._client is not None:
                 self._client.close()
                 self._client = None
@@ -192,94 +198,134 @@ class RedisTier:
 
     def counters(self) -> dict[str, int]:
         """Failures seen so far: `errors`, `timeouts`, `refused` (breaker open), `corrupt`."""
-        with self._count_lock:
+        with self._lock:
             return dict(self._counts)
 
     def count_corrupt(self) -> None:
         """Count a value that a reader found malformed (a chunk failing its checksum)."""
         self._add("corrupt")
 
-    # -- internals ----------------------------------------------------------------
+    def breaker_snapshot(self) -> BreakerSnapshot:
+        """All nodes' breakers as one: the worst state, summed totals, the longest backoff."""
+        with self._lock:
+            snaps = [b.snapshot() for b in self.breakers.values()]
+        if not snaps:
+            return BreakerSnapshot(BreakerState.CLOSED, 0, 0, 0, 0.0)
+        worst = max(snaps, key=lambda s: (s.state is BreakerState.OPEN, s.state))
+        return BreakerSnapshot(worst.state, sum(s.opens for s in snaps), sum(s.closes for s in snaps),
+                               sum(s.refused for s in snaps), max(s.backoff_s for s in snaps))  # fmt: skip
 
-    def _put(self, client: Any, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
-        old = self._read_metas(client, [meta.key])[0]
-        old_meta = _parse_or_none(old)
-        pipe = client.pipeline(transaction=True)
-        if old_meta is not None and old_meta.layout_version != meta.layout_version:
-            pipe.delete(*self._chunk_keys(old_meta))
-        for index, data in enumerate(chunks):
-            pipe.set(self._ckey(meta.key, meta.layout_version, index), data, ex=self._ttl)
-        pipe.set(self._mkey(meta.key), meta.to_bytes(), ex=self._ttl)
-        if old_meta is None:
-            self._count_usage(client, pipe, meta.nbytes, 1, meta.num_chunks)
-        else:
-            self._count_usage(client, pipe, meta.nbytes - old_meta.nbytes, 0,
-                              meta.num_chunks - old_meta.num_chunks)  # fmt: skip
+    # -- internals: routing, breakers, counting ---------------------------------------
 
-    def _count_usage(self, client: Any, pipe: Any, used: int, blocks: int, chunks: int) -> None:
-        """Queue the usage update and run `pipe`; in a cluster the counters go after it."""
-        counts = pipe if not self.cluster else None
-        if counts is not None:
-            self._hincr(counts, used, blocks, chunks)
+    def _read_metas(self, keys: Sequence[bytes], raise_errors: bool = False) -> list[Any]:
+        replies = self._pipelined([(k, ("GET", self._mkey(k))) for k in keys], raise_errors)
+        return [None if r is _MISS else r for r in replies]
+
+    def _pipelined(
+        self, commands: Sequence[tuple[bytes, tuple[Any, ...]]], raise_errors: bool = False
+    ) -> list[Any]:
+        """Run (block key, command) pairs in one pipeline per node. A node that fails or whose
+        breaker is open yields `_MISS` for its commands (or raises, with `raise_errors`)."""
+        results: list[Any] = [_MISS] * len(commands)
         try:
+            groups = self._by_node([key for key, _ in commands])
+        except RemoteUnavailableError:
+            if raise_errors:
+                raise
+            return results
+        for node, (client, indices) in groups.items():
+
+            def run(client: Any = client, indices: list[int] = indices) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for i in indices:
+                    pipe.execute_command(*commands[i][1])
+                return list(pipe.execute())
+
+            try:
+                replies = self._guard(node, run)
+            except RemoteUnavailableError:
+                if raise_errors:
+                    raise
+                continue
+            for i, reply in zip(indices, replies, strict=True):
+                results[i] = reply
+        return results
+
+    def _transaction(self, key: bytes, commands: list[tuple[Any, ...]], usage: tuple[int, int, int]) -> None:
+        """Run `commands` (all on `key`'s slot) in one MULTI/EXEC, then count `usage`."""
+        ((node, (client, _)),) = self._by_node([key]).items()
+        counts = [
+            ("HINCRBY", self._usage_key, f, n)
+            for f, n in zip(("used", "blocks", "chunks"), usage, strict=True)
+        ]
+
+        def run() -> None:
+            pipe = client.pipeline(transaction=True)
+            for command in commands + ([] if self.cluster else counts):
+                pipe.execute_command(*command)
             pipe.execute()
+
+        self._guard(node, run)
+        if self.cluster:  # the usage hash lives in another slot: counted after, best effort
+            self._pipelined([(self._usage_key, c) for c in counts])
+
+    def _by_node(self, keys: Sequence[bytes]) -> dict[str, tuple[Any, list[int]]]:
+        """Group key indices by the node that serves them: name -> (node client, indices)."""
+        client = self._guard("topology", self._connected)
+        if not self.cluster:
+            return {"server": (client, list(range(len(keys))))}
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, key in enumerate(keys):
+            tag = key if key == self._usage_key else self._tag(key)
+            node = client.get_node_from_key(tag)
+            groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(i)
+        return groups
+
+    def _guard(self, node: str, op: Callable[[], T]) -> T:
+        """Run `op` under `node`'s breaker; failures are counted and raised as RemoteUnavailableError."""
+        breaker = self._breaker(node)
+        if not breaker.allow():
+            self._add("refused")
+            raise RemoteUnavailableError(f"remote tier {self._where}: circuit breaker of {node} open")
+        try:
+            result = op()
         except redis.ResponseError as exc:
             if "OOM" in str(exc):
+                breaker.success()  # the server answered: it is up, only full
                 raise TierFullError(f"remote tier is out of memory: {exc}") from exc
-            raise
-        if counts is None:
-            after = client.pipeline(transaction=False)
-            self._hincr(after, used, blocks, chunks)
-            after.execute()
-
-    def _hincr(self, pipe: Any, used: int, blocks: int, chunks: int) -> None:
-        pipe.hincrby(self._usage_key, "used", used)
-        pipe.hincrby(self._usage_key, "blocks", blocks)
-        pipe.hincrby(self._usage_key, "chunks", chunks)
-
-    def _read_metas(self, client: Any, keys: Sequence[bytes]) -> list[Any]:
-        if not self.cluster:
-            return list(client.mget([self._mkey(k) for k in keys]))
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(self._mkey(key))
-        return list(pipe.execute())
-
-    def _call(self, op: Callable[[Any], T], miss: T) -> T:
-        """Run `op(client)` under the breaker; `miss` when refused or failed (counted)."""
-        try:
-            return self._call_or_raise(op, "read")
-        except RemoteUnavailableError:
-            return miss
-
-    def _call_or_raise(self, op: Callable[[Any], T], what: str) -> T:
-        if not self.breaker.allow():
-            self._add("refused")
-            raise RemoteUnavailableError(f"remote tier {self._where}: circuit breaker open")
-        try:
-            result = op(self._connected())
-        except TierFullError:
-            self.breaker.success()  # the server answered: it is up, only full
-            raise
+            self._failed(breaker, exc)
+            raise RemoteUnavailableError(f"remote tier {self._where} ({node}): {exc}") from exc
         except _FAILURES as exc:
-            self.breaker.failure()
-            self._add("timeouts" if isinstance(exc, redis.TimeoutError | TimeoutError) else "errors")
-            self._reset_client_if_cluster()
-            raise RemoteUnavailableError(f"remote tier {self._where} {what} failed: {exc}") from exc
+            self._failed(breaker, exc)
+            raise RemoteUnavailableError(f"remote tier {self._where} ({node}): {exc}") from exc
         except BaseException:
-            self.breaker.failure()  # a probe must always report, or half-open never ends
+            breaker.failure()  # a probe must always report, or half-open never ends
             raise
-        self.breaker.success()
+        breaker.success()
         return result
 
+    def _failed(self, breaker: CircuitBreaker, exc: BaseException) -> None:
+        breaker.failure()
+        self._add("timeouts" if isinstance(exc, redis.TimeoutError | TimeoutError) else "errors")
+        self._stale_topology = self.cluster  # a node died or slots moved: ask the cluster again
+
+    def _breaker(self, node: str) -> CircuitBreaker:
+        with self._lock:
+            if node not in self.breakers:
+                self.breakers[node] = self.new_breaker()
+            return self.breakers[node]
+
     def _connected(self) -> Any:
-        with self._client_lock:
+        with self._lock:
             if self._client is None:
                 self._client = self._make_client()
+            elif self._stale_topology:
+                self._stale_topology = False
+                self._client.nodes_manager.initialize()
             return self._client
 
     def _make_client(self) -> Any:
-        # No retries inside redis-py: the breaker decides when to try again (with backoff).
+        # No retries inside redis-py: the breakers decide when to try again (with backoff).
         options: dict[str, Any] = {
             "socket_timeout": self._timeout_s,
             "socket_connect_timeout": self._timeout_s,
@@ -293,15 +339,12 @@ class RedisTier:
         # A cluster with a node down still serves the other nodes' slots.
         return RedisCluster(startup_nodes=startup, require_full_coverage=False, **options)
 
-    def _reset_client_if_cluster(self) -> None:
-        # After a node failure the slot map may be stale; rebuilding the client later
-        # rediscovers the topology from whichever node answers.
-        if self.cluster:
-            self.close()
-
     def _add(self, name: str) -> None:
-        with self._count_lock:
+        with self._lock:
             self._counts[name] += 1
+
+    def _set(self, key: bytes, value: bytes) -> tuple[Any, ...]:
+        return ("SET", key, value) if self._ttl is None else ("SET", key, value, "EX", self._ttl)
 
     @property
     def _usage_key(self) -> bytes:

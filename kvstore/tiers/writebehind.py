@@ -127,6 +127,6 @@ class WriteBehind:
     def _attempt(self, meta: BlockMeta, chunks: Sequence[bytes]) -> bool:
         try:
             self._write(meta, chunks)
-        except Exception:  # noqa: BLE001 - any remote failure is counted, never raised to a client
+        except Exception:  # any remote failure is counted, never raised to a client
             return False
         return True

@@ -26,9 +26,6 @@ from kvstore.tiers.breaker import CircuitBreaker
 from kvstore.tiers.redis import RedisTier, RemoteUnavailableError
 from kvstore.tiers.writebehind import WriteBehind
 
-#: Counters that are levels, not totals (exported as gauges).
-REMOTE_GAUGES = ("remote.breaker_state", "remote.queue_blocks", "remote.queue_bytes")
-
 
 class RemoteLink:
     """The remote tier with its breaker and (optional) write-behind queue. Thread-safe.

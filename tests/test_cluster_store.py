@@ -3,6 +3,7 @@ sidecar processes, killed nodes, a hung server, corrupt values and local evictio
 
 from __future__ import annotations
 
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,14 @@ def test_prefix_stored_through_one_sidecar_loads_bit_exact_through_another(
         with KVClient(second.address, use_shm=False) as client:
             covered, positions, loaded = client.load_arrays(tokens, model=TINY)
             stats = client.stats()
+        metrics_url = f"http://127.0.0.1:{second.metrics_port}/metrics"
+        metrics = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     finally:
         second.kill()
     assert covered == 160 and loaded.tobytes() == kv.tobytes()
     assert positions.tolist() == list(range(160))
     assert stats.get("chunk_hits.redis") == 20 and stats.get("blocks_learned.redis") == 5
+    assert "kvsieve_remote_breaker_state 0.0" in metrics and "kvsieve_remote_queue_drops_total 0.0" in metrics
 
 
 def test_killed_cluster_node_loses_only_its_blocks_and_writes_resume(

@@ -15,6 +15,8 @@ PUBLISHED = {
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5",
+    "remote": "remote_load_mb_s redis_get_mb_s remote_vs_get store_ms_write_behind store_ms_sync "
+    "ttft_speedup_remote_vs_recompute",
 }
 
 
@@ -25,6 +27,7 @@ PUBLISHED = {
         "transfer",
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
+        pytest.param("remote", marks=pytest.mark.model),
     ],
 )
 def test_benchmark_prints_its_published_keys(name: str) -> None:

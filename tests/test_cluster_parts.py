@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +184,16 @@ def test_every_key_of_a_block_hashes_to_one_slot(redis_cluster: object) -> None:
     other, _ = make_block(14)
     assert key_slot(tier._mkey(other.key)) != key_slot(keys[0])  # the tag is the block, not the prefix
     tier.close()
+
+
+def test_the_documented_cluster_configuration_is_valid(tmp_path: Path) -> None:
+    import re
+
+    from kvstore.settings import build_config
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sidecar.md").read_text()
+    block = next(b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if "remote_nodes" in b)
+    (tmp_path / "kvsieve.toml").write_text(block)
+    config = build_config(StoreConfig, tmp_path / "kvsieve.toml", env={}, section="store")
+    assert config.remote_nodes == ("10.0.0.11:7000", "10.0.0.12:7000", "10.0.0.13:7000")
+    assert config.remote_queue_bytes == 256 << 20 and config.remote_write_behind

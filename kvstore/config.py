@@ -21,7 +21,19 @@ class StoreConfig:
         disk_bytes: byte budget of the disk tier; None = limited only by the filesystem.
         codec: "raw" or "shuffle-zstd" for chunks on disk and in the remote tier.
         zstd_level: zstd level for "shuffle-zstd" (1..19; level 1 compresses KV as well as 3).
-        remote_url: redis:// or valkey URL of the shared remote tier; None = no remote tier.
+        remote_url: redis:// URL of one Redis/Valkey server shared by sidecars; None = no remote tier.
+        remote_nodes: HOST:PORT of Redis/Valkey Cluster nodes, comma-separated; any one that
+            answers is enough to find the rest. Set instead of remote_url for cluster mode.
+        remote_prefix: prefix of every remote key (deployments sharing a server use distinct ones).
+        remote_timeout_s: socket timeout of every remote call, in seconds (0 < t <= 60).
+        remote_write_behind: queue remote writes on a background worker (a Store returns
+            once local tiers hold the block); false writes them before Store returns.
+        remote_queue_bytes: bytes of blocks waiting for the remote tier; beyond, blocks are
+            dropped (counted in remote.queue_drops), never waited for.
+        remote_drain_s: seconds closing the store waits for queued remote writes.
+        remote_breaker_failures: consecutive remote failures that open the circuit breaker.
+        remote_breaker_reset_s: seconds the open breaker waits before a probe (doubles after
+            each failed probe, up to 30 s).
         pin_host_memory: page-lock memory-tier buffers when CUDA is available.
         score_half_life_reports: reported query scores halve in weight after this many reports.
         memory_policy: what leaves memory first: "score" (lowest access frequency x importance
@@ -36,6 +48,14 @@ class StoreConfig:
     codec: str = "raw"
     zstd_level: int = 1
     remote_url: str | None = None
+    remote_nodes: tuple[str, ...] = ()
+    remote_prefix: str = "kvsieve"
+    remote_timeout_s: float = 0.5
+    remote_write_behind: bool = True
+    remote_queue_bytes: int = 256 << 20
+    remote_drain_s: float = 5.0
+    remote_breaker_failures: int = 3
+    remote_breaker_reset_s: float = 1.0
     pin_host_memory: bool = True
     score_half_life_reports: float = 64.0
     memory_policy: str = "score"
@@ -62,8 +82,50 @@ class StoreConfig:
             raise InvalidInputError(
                 f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"
             )
-        if self.data_dir is None and self.remote_url is None and self.memory_bytes == 0:
+        self._check_remote()
+        if self.data_dir is None and not self.has_remote and self.memory_bytes == 0:
             raise InvalidInputError("memory_bytes must be > 0 when there is no data_dir nor remote_url")
+
+    def _check_remote(self) -> None:
+        nodes = (self.remote_nodes.split(",") if isinstance(self.remote_nodes, str)
+                 else self.remote_nodes)  # fmt: skip
+        object.__setattr__(self, "remote_nodes", tuple(n.strip() for n in nodes if n.strip()))
+        if self.remote_url is not None and self.remote_nodes:
+            raise InvalidInputError("set remote_url (one server) or remote_nodes (a cluster), not both")
+        if self.remote_url is not None and not self.remote_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise InvalidInputError(
+                f"remote_url must be redis://, rediss:// or unix://, got {self.remote_url!r}"
+            )
+        for node in self.remote_nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InvalidInputError(f"remote_nodes entries must be HOST:PORT, got {node!r}")
+        if not self.remote_prefix or any(c in self.remote_prefix for c in "{}*?[] "):
+            raise InvalidInputError(
+                f"remote_prefix must be non-empty without braces, glob characters or spaces, "
+                f"got {self.remote_prefix!r}"
+            )
+        if not 0 < self.remote_timeout_s <= 60:
+            raise InvalidInputError(f"remote_timeout_s must be in (0, 60], got {self.remote_timeout_s}")
+        if self.remote_queue_bytes <= 0:
+            raise InvalidInputError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
+        if self.remote_drain_s < 0:
+            raise InvalidInputError(f"remote_drain_s must be >= 0, got {self.remote_drain_s}")
+        if self.remote_breaker_failures < 1:
+            raise InvalidInputError(
+                f"remote_breaker_failures must be >= 1, got {self.remote_breaker_failures}"
+            )
+        if not 0 < self.remote_breaker_reset_s <= 30:
+            raise InvalidInputError(
+                f"remote_breaker_reset_s must be in (0, 30], got {self.remote_breaker_reset_s}"
+            )
+
+    @property
+    def has_remote(self) -> bool:
+        """Whether a remote tier (one server or a cluster) is configured."""
+        return self.remote_url is not None or bool(self.remote_nodes)
 
     @property
     def chunks_per_block(self) -> int:

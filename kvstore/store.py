@@ -7,12 +7,13 @@ local tier, so a lookup never promises data that a crash could lose.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from importance.history import accumulate, decay_factor
 from importance.layout import budget_to_tokens, importance_order, select_chunks
 from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
-from kvstore.errors import ChecksumError, InvalidInputError, StoreFullError
+from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, StoreFullError
 from kvstore.keys import ROOT_KEY, as_token_array, block_keys, namespace_digest
 from kvstore.leases import Lease, LeaseTable
 from kvstore.lock import DataDirLock
@@ -42,6 +43,7 @@ from kvstore.tiers.memory import MemoryTier, create_policy
 from radix import MatchResult, RadixTree
 
 if TYPE_CHECKING:
+    from kvstore.remote import RemoteLink
     from kvstore.tiers.redis import RedisTier
 
 __all__ = [
@@ -80,9 +82,10 @@ class TieredStore:
             self.durable.append(
                 create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
             )
-        if self.config.remote_url is not None:
-            self.durable.append(create_tier("redis", url=self.config.remote_url))
         self.counters = Counters()
+        self.remote_link = self._open_remote()
+        if self.remote_link is not None:
+            self.durable.append(self.remote_link.tier)
         self.leases = LeaseTable(self.tree.pin, self.tree.unpin, clock)  # clock: lease expiry only
         self._write_lock = threading.Lock()
         self._closed = False
@@ -250,6 +253,8 @@ class TieredStore:
         counters, samples = self.counters.snapshot()
         counters["leases_expired"] = self.leases.expired_total
         counters["evictions.memory"] = self.memory.evictions
+        if self.remote_link is not None:
+            counters |= self.remote_link.counters()
         tiers = {t.name: t.usage() for t in [self.memory, *self.durable]}
         return StoreStats(counters, tiers, self.tree.num_blocks, len(self.leases), samples)
 
@@ -257,6 +262,8 @@ class TieredStore:
         """Close every tier. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.remote_link is not None:
+                self.remote_link.close()  # drains queued remote writes first
             for tier in [self.memory, *self.durable]:
                 tier.close()
             if self._lock is not None:
@@ -309,7 +316,7 @@ class TieredStore:
         root: tuple[bytes, bytes],
         toks: Array,
     ) -> int:
-        for tier in self.durable:
+        for tier in self._local_durable():
             self._put_durable(tier, meta, chunks)
             self.counters.add(f"bytes_written.{tier.name}", meta.nbytes)
         memory_chunks = chunks if self.config.codec == "raw" else [_reencode_raw(x, model) for x in chunks]
@@ -324,6 +331,8 @@ class TieredStore:
         parent = None if meta.depth == 0 else meta.parent
         b = self.config.block_tokens
         self.tree.insert(root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta)
+        if self.remote_link is not None:  # after the local commit; queued, never blocks
+            self.remote_link.write(meta, chunks)
         return meta.nbytes
 
     def _put_durable(self, tier: Tier, meta: BlockMeta, chunks: list[bytes]) -> None:
@@ -346,8 +355,10 @@ class TieredStore:
                 raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc
 
     def _evict(self, num_bytes: int) -> None:
+        # Local pressure frees local tiers only: the shared tier holds blocks other
+        # sidecars use, and bounds itself (maxmemory eviction).
         for node in self.tree.evict(num_bytes):
-            for tier in [self.memory, *self.durable]:
+            for tier in [self.memory, *self._local_durable()]:
                 tier.delete_block(node.key)
             self.counters.add("evictions.disk")
 
@@ -385,9 +396,12 @@ class TieredStore:
             if not missing:
                 break
             for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
-                if data is not None:
-                    found[index] = self._decode(meta, block_index, index, data, tier.name, tally)
-                    self._promote(meta, index, found[index], data)
+                if data is None:
+                    continue
+                chunk = self._decode_durable(meta, block_index, index, data, tier, tally)
+                if chunk is not None:
+                    found[index] = chunk
+                    self._promote(meta, index, chunk, data)
         self.counters.add_many(tally)
         if len(found) < len(indices):
             return None
@@ -408,6 +422,23 @@ class TieredStore:
         tally[f"chunk_hits.{tier}"] += 1
         tally[f"bytes_read.{tier}"] += len(data)
         return LoadedChunk(block_index, index, decoded.positions, decoded.kv, tier, len(data))
+
+    def _decode_durable(
+        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: Tier, tally: Counter[str]
+    ) -> LoadedChunk | None:
+        """Decode a chunk read from disk or the remote tier. A remote chunk that fails its
+        checksum or identity is a miss, counted, and deleted remotely (its key is a content
+        hash: the value is wrong for every reader). A local one raises ChecksumError."""
+        remote = self._remote()
+        if remote is None or tier is not remote:
+            return self._decode(meta, block_index, index, data, tier.name, tally)
+        try:
+            return self._decode(meta, block_index, index, data, tier.name, tally)
+        except ChecksumError:
+            remote.count_corrupt()
+            with contextlib.suppress(KVSieveError):  # counted by the tier; a later reader retries
+                remote.delete_block(meta.key)
+            return None
 
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
         if self.config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
@@ -442,10 +473,22 @@ class TieredStore:
         return self.tree.match(root, toks)
 
     def _remote(self) -> RedisTier | None:
-        for tier in self.durable:
-            if tier.name == "redis":
-                return cast("RedisTier", tier)
-        return None
+        return None if self.remote_link is None else self.remote_link.tier
+
+    def _local_durable(self) -> list[Tier]:
+        """The durable tiers on this machine (LMDB), without the shared remote tier."""
+        remote = self._remote()
+        return [t for t in self.durable if t is not remote]
+
+    def _open_remote(self) -> RemoteLink | None:
+        if not self.config.has_remote:
+            return None
+        from kvstore.remote import RemoteLink  # imports redis only when a remote tier is used
+
+        def written(nbytes: int) -> None:
+            self.counters.add_many({"bytes_written.redis": nbytes, "remote.writes": 1})
+
+        return RemoteLink(self.config, on_written=written)
 
     def _root(self, model: ModelSpec, namespace: str) -> tuple[bytes, bytes]:
         return (namespace_digest(namespace), model.fingerprint)

@@ -92,3 +92,41 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
+
+
+def require_redis_server() -> None:
+    """Skip when redis-server is missing, or fail under KVSIEVE_REQUIRE_REDIS=1 (.ci/run)."""
+    import os
+
+    from bench.redisd import server_binary
+
+    if server_binary() is None:
+        if os.environ.get("KVSIEVE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is required (KVSIEVE_REQUIRE_REDIS=1) but not on PATH")
+        pytest.skip("redis-server not installed")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real 3-node Redis Cluster on free loopback ports, for the whole session.
+
+    Tests share it: give each store its own `remote_prefix`. Tests that kill nodes
+    use `private_cluster` instead. Skipped/required like `redis_url`.
+    """
+    require_redis_server()
+    from bench.redisd import LocalCluster
+
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def private_cluster(tmp_path: Path) -> Iterator[Any]:
+    """A 3-node cluster of this test's own, which it may kill and restart."""
+    require_redis_server()
+    from bench.redisd import LocalCluster
+
+    cluster = LocalCluster(tmp_path / "cluster").start()
+    yield cluster
+    cluster.stop()

@@ -19,6 +19,8 @@ PUBLISHED = {
     "radix": "match_us_kvsieve insert_us_kvsieve bytes_per_block_kvsieve",
     "chaos": "server_kills client_kills flips_injected loads_checked wrong_kv server_crashes_unplanned "
     "leaked_segments",
+    "remote": "remote_load_mb_s redis_get_mb_s remote_vs_get store_ms_write_behind store_ms_sync "
+    "ttft_speedup_remote_vs_recompute",
 }
 # A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
 # otherwise the first key, a string, says why, and none of the peer's keys is printed.
@@ -39,6 +41,7 @@ PEER_KEYS = {
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
         "radix",
+        pytest.param("remote", marks=pytest.mark.model),
     ],
 )
 def test_benchmark_prints_its_published_keys(name: str) -> None:

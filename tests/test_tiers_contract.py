@@ -1,4 +1,4 @@
-"""One contract suite over every tier: memory, LMDB on tmp_path, and a real Redis."""
+"""One contract suite over every tier: memory, LMDB on tmp_path, a real Redis and a real Redis Cluster."""
 
 from __future__ import annotations
 
@@ -35,15 +35,18 @@ def make_block(
     return meta, chunks
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
+@pytest.fixture(params=["memory", "lmdb", "redis", "redis-cluster"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     if request.param == "memory":
         t = create_tier("memory", capacity_bytes=1 << 20)
     elif request.param == "lmdb":
         t = create_tier("lmdb", path=tmp_path / "lmdb")
-    else:
+    elif request.param == "redis":
         url = request.getfixturevalue("redis_url")
         t = create_tier("redis", url=url, prefix=f"test-{uuid.uuid4().hex}")
+    else:
+        nodes = request.getfixturevalue("redis_cluster").addresses
+        t = create_tier("redis", nodes=nodes, prefix=f"test-{uuid.uuid4().hex}")
     yield t
     t.close()
 

@@ -55,6 +55,26 @@ class StoreCollector:
         yield used
         yield GaugeMetricFamily("kvsieve_active_leases", "Leases in force", value=stats.active_leases)
         yield GaugeMetricFamily("kvsieve_blocks", "Blocks in the index", value=stats.num_blocks)
+        yield from _remote_metrics(stats.counters)
+
+
+# The remote tier's `remote.*` counters (kvstore/remote.py); these three are levels, not totals.
+_REMOTE_GAUGES = {"breaker_state": "Remote breaker state: 0 closed, 1 open, 2 half-open (worst node)",
+                  "queue_blocks": "Blocks waiting in the write-behind queue",
+                  "queue_bytes": "Bytes waiting in the write-behind queue"}  # fmt: skip
+
+
+def _remote_metrics(counters: dict[str, int]) -> Iterator[Any]:
+    """`remote.X` counters as kvsieve_remote_X (errors, timeouts, refused, corrupt, writes,
+    write_failures, queue_drops, breaker_opens, breaker_closes) and the gauges above."""
+    for name, value in sorted(counters.items()):
+        family, _, what = name.partition(".")
+        if family != "remote" or not what:
+            continue
+        if what in _REMOTE_GAUGES:
+            yield GaugeMetricFamily(f"kvsieve_remote_{what}", _REMOTE_GAUGES[what], value=value)
+        else:
+            yield CounterMetricFamily(f"kvsieve_remote_{what}", f"Remote tier: {what}", value=value)
 
 
 class Metrics:

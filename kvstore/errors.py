@@ -20,6 +20,20 @@ class StoreFullError(KVSieveError):
     """No room is left in a tier even after evicting every unpinned block."""
 
 
+class StorageUnavailableError(KVSieveError):
+    """A tier's storage failed (I/O error, file deleted under the store): retry elsewhere or later.
+
+    Nothing of the failed call was kept. The gRPC layer maps it to UNAVAILABLE.
+    """
+
+
+class DamagedStoreError(KVSieveError):
+    """A data directory's files are damaged (truncated, empty, not LMDB); the store refuses to open.
+
+    The message names the file and says to run `kvsieve fsck`.
+    """
+
+
 class NotFoundError(KVSieveError, KeyError):
     """A named object (lease, block) does not exist."""
 

@@ -312,8 +312,10 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     from kvstore.fsck import EXIT_CANNOT_RUN, fsck_isolated
 
     try:
-        report = fsck_isolated(args.data_dir, repair=args.repair, progress=sys.stderr.isatty() and not args.json)
-    except Exception as exc:  # noqa: BLE001 - fsck's promise: a message and exit 3, never a traceback
+        report = fsck_isolated(
+            args.data_dir, repair=args.repair, progress=sys.stderr.isatty() and not args.json
+        )
+    except Exception as exc:  # fsck promises a message and exit 3, never a traceback
         print(f"kvsieve fsck: cannot run: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     if args.json:
@@ -321,6 +323,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
         return report.exit_code
     if report.unreadable:
         print(f"unreadable: {report.unreadable}")
+        print(f"nothing can be repaired in place: restore {args.data_dir} or move it aside to start empty")
         return report.exit_code
     print(f"checked {report.blocks_checked} blocks, {report.chunks_checked} chunks")
     for problem in report.problems:

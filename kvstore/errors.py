@@ -30,8 +30,14 @@ class StorageUnavailableError(KVSieveError):
 class DamagedStoreError(KVSieveError):
     """A data directory's files are damaged (truncated, empty, not LMDB); the store refuses to open.
 
-    The message names the file and says to run `kvsieve fsck`.
+    The message names the file and, given `data_dir`, says to run `kvsieve fsck`;
+    `reason` is the message without that advice.
     """
+
+    def __init__(self, reason: str, data_dir: object = None) -> None:
+        hint = "" if data_dir is None else f"; run `kvsieve fsck --data-dir {data_dir}` to check it"
+        super().__init__(reason + hint)
+        self.reason = reason
 
 
 class NotFoundError(KVSieveError, KeyError):

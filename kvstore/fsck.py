@@ -96,7 +96,9 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
     with DataDirLock(data_dir, exclusive=repair, purpose=purpose):
         try:
             tier = LmdbTier(lmdb_dir)
-        except (DamagedStoreError, StorageUnavailableError) as exc:
+        except DamagedStoreError as exc:
+            return FsckReport(unreadable=exc.reason)
+        except StorageUnavailableError as exc:
             return FsckReport(unreadable=str(exc))
         try:
             return _check(tier, repair, progress)
@@ -132,10 +134,12 @@ def fsck_isolated(data_dir: str | Path, repair: bool = False, progress: bool = F
     raise FsckCannotRunError(f"the check process exited with code {child.exitcode} and no report")
 
 
-def _child(send: multiprocessing.connection.Connection, data_dir: str | Path, repair: bool, progress: bool) -> None:
+def _child(
+    send: multiprocessing.connection.Connection, data_dir: str | Path, repair: bool, progress: bool
+) -> None:
     try:
         send.send(fsck(data_dir, repair, progress))
-    except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent, typed
+    except Exception as exc:  # every failure goes back to the parent, typed
         send.send(exc if _picklable(exc) else FsckCannotRunError(f"{type(exc).__name__}: {exc}"))
 
 
@@ -144,7 +148,7 @@ def _picklable(exc: Exception) -> bool:
 
     try:
         pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - any pickling failure means "send a plain error"
+    except Exception:  # any pickling failure: send a plain error
         return False
     return True
 
@@ -164,7 +168,9 @@ def _check(tier: LmdbTier, repair: bool, progress: bool) -> FsckReport:
             bad.add(meta.key)
     bad |= _orphans(metas, report)
     orphan_chunks, stale_chunks = _stray_chunks(tier, metas, skip=bad)
-    report.problems += [FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it") for k in orphan_chunks]
+    report.problems += [
+        FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it") for k in orphan_chunks
+    ]
     report.problems += [
         FsckProblem(k[:16].hex(), "stale-chunk", f"layout {int.from_bytes(k[16:20], 'big')} is not current")
         for k in stale_chunks

@@ -486,7 +486,9 @@ class TieredStore:
         if not self.durable or self.config.lmdb_dir is None:
             return 0
         records = list(cast("LmdbTier", self.durable[0]).iter_meta_raw())
-        metas = sorted((m for _, m in records if isinstance(m, BlockMeta)), key=lambda m: (m.depth, m.created))
+        metas = sorted(
+            (m for _, m in records if isinstance(m, BlockMeta)), key=lambda m: (m.depth, m.created)
+        )
         self.counters.add("metadata_failures", len(records) - len(metas))
         orphans = 0
         for meta in metas:

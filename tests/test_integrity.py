@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lmdb

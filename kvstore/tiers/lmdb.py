@@ -26,7 +26,7 @@ import lmdb
 from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError
 from kvstore.meta import BlockMeta
 from kvstore.tiers.base import TierFullError, TierUsage, chunk_key
-from kvstore.tiers.lmdbfile import check_data_file, fsck_hint, reserve_lock_file, write_error
+from kvstore.tiers.lmdbfile import check_data_file, reserve_lock_file, write_error
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -79,7 +79,7 @@ class LmdbTier:
         except lmdb.DiskError as exc:
             raise write_error(exc, self._path) from exc
         except lmdb.Error as exc:
-            raise DamagedStoreError(f"cannot open {self.data_file()}: {exc}; {fsck_hint(self._path.parent)}") from exc
+            raise DamagedStoreError(f"cannot open {self.data_file()}: {exc}", self._path.parent) from exc
         st = os.stat(self.data_file())
         self._file_id = (st.st_dev, st.st_ino)
 
@@ -110,7 +110,7 @@ class LmdbTier:
                     if not self._growable or attempt == 7:
                         raise TierFullError(f"LMDB map at {self._path} is full") from exc
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
-            for old, (meta, chunks) in zip(olds, blocks, strict=True):
+            for old, (_meta, chunks) in zip(olds, blocks, strict=True):
                 if old is not None:
                     self._account(-old.nbytes, -1, -old.num_chunks)
                 self._account(sum(len(c) for c in chunks), 1, len(chunks))

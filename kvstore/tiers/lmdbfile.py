@@ -48,11 +48,6 @@ class DataFileInfo(NamedTuple):
         return (self.last_page + 1) * self.page_size
 
 
-def fsck_hint(data_dir: Path) -> str:
-    """The advice every damage message ends with."""
-    return f"run `kvsieve fsck --data-dir {data_dir}` to check it"
-
-
 def check_data_file(path: Path) -> DataFileInfo:
     """Verify that an existing LMDB data file is whole enough to map.
 
@@ -66,20 +61,19 @@ def check_data_file(path: Path) -> DataFileInfo:
             size = os.fstat(f.fileno()).st_size
             head = f.read(2 * 65536)
     except OSError as exc:
-        raise StorageUnavailableError(f"cannot read {path}: {exc.strerror}; {fsck_hint(data_dir)}") from exc
+        raise StorageUnavailableError(f"cannot read {path}: {exc.strerror}") from exc
     if size == 0:
-        raise DamagedStoreError(f"{path} is empty (0 bytes), not an LMDB store; {fsck_hint(data_dir)}")
+        raise DamagedStoreError(f"{path} is empty (0 bytes), not an LMDB store", data_dir)
     first = _meta_at(head, 0)
     second = _meta_at(head, first[0] if first else 4096)
     metas = [m for m in (first, second) if m is not None]
     if not metas:
-        raise DamagedStoreError(f"{path} has no valid LMDB meta page; {fsck_hint(data_dir)}")
+        raise DamagedStoreError(f"{path} has no valid LMDB meta page", data_dir)
     page_size, last_page, txnid = max(metas, key=lambda m: m[2])
     info = DataFileInfo(page_size, last_page, txnid, size)
     if size < info.required_bytes:
         raise DamagedStoreError(
-            f"{path} is truncated: {size} bytes, but its pages need {info.required_bytes}; "
-            f"{fsck_hint(data_dir)}"
+            f"{path} is truncated: {size} bytes, but its pages need {info.required_bytes}", data_dir
         )
     return info
 

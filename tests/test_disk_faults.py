@@ -232,3 +232,18 @@ def test_fresh_server_on_a_full_disk_says_so(tmpfs: Callable[[int], Path]) -> No
     result = serve(mount / "data")
     assert result.returncode == 2, result  # not -7 (SIGBUS on LMDB's lock file)
     assert "disk full" in result.stderr and "lock.mdb" in result.stderr
+
+
+def test_store_created_on_a_nearly_full_disk_leaves_no_half_file(tmpfs: Callable[[int], Path]) -> None:
+    mount = tmpfs(1 << 20)
+    st = os.statvfs(mount)
+    filler = os.open(mount / "filler", os.O_CREAT | os.O_RDWR)
+    os.posix_fallocate(filler, 0, st.f_bavail * st.f_frsize - 36 * 1024)  # room for lock.mdb only
+    os.close(filler)
+    with pytest.raises(StoreFullError, match="disk full"):
+        TieredStore(config_for(mount / "data"))
+    assert not (mount / "data" / "lmdb" / "data.mdb").exists()  # not an empty file read as damage later
+    (mount / "filler").unlink()
+    with TieredStore(config_for(mount / "data")) as s:  # space back: it starts, empty
+        s.store(make_tokens(32), make_kv(WIDE, 32), model=WIDE)
+        assert s.lookup(make_tokens(32), model=WIDE).num_tokens == 32

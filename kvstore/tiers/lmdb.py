@@ -59,12 +59,25 @@ class LmdbTier:
         self._path.mkdir(parents=True, exist_ok=True)
         self._capacity = capacity_bytes
         self._growable = capacity_bytes is None
-        if self.data_file().exists():
+        self._write_lock = threading.Lock()
+        self._env, self._chunks_db, self._blocks_db = self._open_env()
+        try:
+            self._used, self._num_blocks, self._num_chunks = self._scan_usage()
+        except lmdb.Error as exc:  # B-tree damage LMDB detects while reading the records
+            self._env.close()
+            raise DamagedStoreError(f"cannot read {self.data_file()}: {exc}", self._path.parent) from exc
+        st = os.stat(self.data_file())
+        self._file_id = (st.st_dev, st.st_ino)
+
+    def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
+        """Check the data file, reserve the lock file, open LMDB; errors become domain errors."""
+        existed = self.data_file().exists()
+        if existed:
             check_data_file(self.data_file())
         reserve_lock_file(self._path / "lock.mdb", _MAX_READERS)
-        self._write_lock = threading.Lock()
+        env = None
         try:
-            self._env = lmdb.open(
+            env = lmdb.open(
                 str(self._path),
                 map_size=self._initial_map_size(),
                 max_dbs=4,
@@ -73,15 +86,15 @@ class LmdbTier:
                 sync=True,
                 metasync=True,
             )
-            self._chunks_db = self._env.open_db(b"chunks")
-            self._blocks_db = self._env.open_db(b"blocks")
-            self._used, self._num_blocks, self._num_chunks = self._scan_usage()
-        except lmdb.DiskError as exc:
-            raise write_error(exc, self._path) from exc
+            return env, env.open_db(b"chunks"), env.open_db(b"blocks")
         except lmdb.Error as exc:
+            if env is not None:
+                env.close()
+            if not existed:  # a half-created file would read as damage at the next start
+                self.data_file().unlink(missing_ok=True)
+            if isinstance(exc, lmdb.DiskError):
+                raise write_error(exc, self._path) from exc
             raise DamagedStoreError(f"cannot open {self.data_file()}: {exc}", self._path.parent) from exc
-        st = os.stat(self.data_file())
-        self._file_id = (st.st_dev, st.st_ino)
 
     @property
     def path(self) -> Path:

@@ -330,8 +330,9 @@ class TieredStore:
             try:
                 self.memory.put_block(meta, chunks)
                 self.counters.add("bytes_written.memory", sum(len(x) for x in chunks))
-            except TierFullError:  # only with a durable tier: memory is just its cache
-                pass
+            except TierFullError:
+                if not self.durable:  # cannot happen after _reserve_memory; never list what is not held
+                    raise StoreFullError("memory tier is full and there is no disk tier") from None
             parent = None if meta.depth == 0 else meta.parent
             self.tree.insert(root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta)
         return needed

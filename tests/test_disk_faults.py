@@ -24,7 +24,7 @@ import pytest
 from conftest import make_kv, make_tokens
 
 from bench.sidecar import Sidecar, free_port
-from kvstore.client import KVClient
+from kvstore.client import KVClient, RpcFailedError
 from kvstore.config import StoreConfig
 from kvstore.errors import DamagedStoreError, StorageUnavailableError, StoreFullError
 from kvstore.fsck import fsck
@@ -247,3 +247,17 @@ def test_store_created_on_a_nearly_full_disk_leaves_no_half_file(tmpfs: Callable
     with TieredStore(config_for(mount / "data")) as s:  # space back: it starts, empty
         s.store(make_tokens(32), make_kv(WIDE, 32), model=WIDE)
         assert s.lookup(make_tokens(32), model=WIDE).num_tokens == 32
+
+
+def test_deleted_data_file_over_grpc_is_unavailable(tmp_path: Path) -> None:
+    server = Sidecar(tmp_path / "data").start()
+    try:
+        with KVClient(server.address, use_shm=False) as client:
+            client.store(make_tokens(32, seed=1), make_kv(WIDE, 32, 1), model=WIDE)
+            (tmp_path / "data" / "lmdb" / "data.mdb").unlink()
+            with pytest.raises(RpcFailedError) as info:
+                client.store(make_tokens(32, seed=2), make_kv(WIDE, 32, 2), model=WIDE)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE and "deleted" in str(info.value)
+            assert client.lookup(make_tokens(32, seed=2), model=WIDE).num_tokens == 0
+    finally:
+        server.kill()

@@ -121,7 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_cmd_stats)
 
-    p = sub.add_parser("fsck", help="verify every chunk checksum and the index of a data directory")
+    p = sub.add_parser(
+        "fsck",
+        help="verify every chunk checksum and the index of a data directory",
+        description="Verify every chunk and metadata record (checksums, key identity), block sizes, "
+        "parent links and stray chunks. Exit codes: 0 clean, 1 every problem repaired, 2 problems "
+        "left or the store unreadable (damaged file), 3 fsck could not run (no store, directory in use).",
+    )
     p.add_argument("--data-dir", type=Path, required=True, help="the store's data directory")
     p.add_argument("--repair", action="store_true", help="remove bad blocks and their descendants")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -369,11 +375,21 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_fsck(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from kvstore.fsck import fsck
+    from kvstore.fsck import EXIT_CANNOT_RUN, fsck_isolated
 
-    report = fsck(args.data_dir, repair=args.repair, progress=sys.stderr.isatty() and not args.json)
+    try:
+        report = fsck_isolated(
+            args.data_dir, repair=args.repair, progress=sys.stderr.isatty() and not args.json
+        )
+    except Exception as exc:  # fsck promises a message and exit 3, never a traceback
+        print(f"kvsieve fsck: cannot run: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     if args.json:
         print(json.dumps({**asdict(report), "clean": report.clean, "exit_code": report.exit_code}))
+        return report.exit_code
+    if report.unreadable:
+        print(f"unreadable: {report.unreadable}")
+        print(f"nothing can be repaired in place: restore {args.data_dir} or move it aside to start empty")
         return report.exit_code
     print(f"checked {report.blocks_checked} blocks, {report.chunks_checked} chunks")
     for problem in report.problems:

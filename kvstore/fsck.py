@@ -1,24 +1,49 @@
-"""Offline consistency check of a data directory: checksums, identities, index links."""
+"""Offline consistency check of a data directory: checksums, identities, index links.
+
+fsck never dies with a traceback or a signal. A data file that cannot be mapped
+safely (empty, truncated, not LMDB) is reported as unreadable before LMDB touches
+it, and `fsck_isolated` (what the CLI runs) does the whole check in a child
+process, so that even damage its header does not show (a SIGBUS or SIGSEGV inside
+LMDB) becomes an unreadable report instead of a dead `kvsieve fsck`.
+
+Exit codes: 0 clean, 1 every problem found was repaired, 2 problems left or the
+store is unreadable, 3 fsck could not run at all (no store at the path, the
+directory in use, an internal error).
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lmdb
+
 from kvstore.codec import ChunkId, decode_chunk
-from kvstore.errors import ChecksumError
+from kvstore.errors import ChecksumError, DamagedStoreError, KVSieveError, StorageUnavailableError
 from kvstore.keys import ROOT_KEY
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.tiers.lmdb import LmdbTier
+
+EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3
+
+
+class FsckCannotRunError(KVSieveError):
+    """fsck could not check anything (no store at the path, the check process failed)."""
 
 
 @dataclass(frozen=True)
 class FsckProblem:
     """One finding: which block (hex key), what kind, and details.
 
-    Kinds: bad-metadata, missing-chunk, bad-chunk, size-mismatch, orphan-block, orphan-chunk.
+    Kinds: bad-metadata (checksum, parse or key-identity failure), missing-chunk,
+    bad-chunk, size-mismatch, orphan-block (parent missing or at the wrong depth),
+    orphan-chunk (no block refers to it), stale-chunk (an older layout of a live
+    block, left by an interrupted re-layout).
     """
 
     key: str
@@ -28,7 +53,10 @@ class FsckProblem:
 
 @dataclass
 class FsckReport:
-    """Outcome of `fsck`. `clean` means no problem was found."""
+    """Outcome of `fsck`. `clean` means the store was read and no problem was found.
+
+    `unreadable` says why the store could not be read at all (then nothing was checked).
+    """
 
     blocks_checked: int = 0
     chunks_checked: int = 0
@@ -36,18 +64,19 @@ class FsckReport:
     blocks_removed: int = 0
     chunks_removed: int = 0
     repaired: bool = False
+    unreadable: str = ""
 
     @property
     def clean(self) -> bool:
-        """No problem found."""
-        return not self.problems
+        """Read, and no problem found."""
+        return not self.problems and not self.unreadable
 
     @property
     def exit_code(self) -> int:
-        """0 clean, 1 problems found and repaired, 2 problems left."""
+        """0 clean, 1 problems found and repaired, 2 problems left or store unreadable."""
         if self.clean:
-            return 0
-        return 1 if self.repaired else 2
+            return EXIT_CLEAN
+        return EXIT_REPAIRED if self.repaired and not self.unreadable else EXIT_PROBLEMS
 
 
 def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> FsckReport:
@@ -55,41 +84,105 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
 
     A bad block takes its descendants with it: they can never be matched without it.
     Must not run while a server writes to the same directory.
+
+    Raises:
+        FsckCannotRunError: no store under `data_dir`.
+        DataDirBusyError: a server holds the directory (with `repair`) or a job rewrites it.
     """
     lmdb_dir = Path(data_dir) / "lmdb"
     if not (lmdb_dir / "data.mdb").exists():
-        raise FileNotFoundError(f"no kvsieve store under {data_dir} (expected {lmdb_dir}/data.mdb)")
-    lock = DataDirLock(data_dir, exclusive=repair, purpose="fsck --repair" if repair else "fsck").acquire()
-    tier = LmdbTier(lmdb_dir)
+        raise FsckCannotRunError(f"no kvsieve store under {data_dir} (expected {lmdb_dir}/data.mdb)")
+    purpose = "fsck --repair" if repair else "fsck"
+    with DataDirLock(data_dir, exclusive=repair, purpose=purpose):
+        try:
+            tier = LmdbTier(lmdb_dir)
+        except DamagedStoreError as exc:
+            return FsckReport(unreadable=exc.reason)
+        except StorageUnavailableError as exc:
+            return FsckReport(unreadable=str(exc))
+        try:
+            return _check(tier, repair, progress)
+        except lmdb.Error as exc:  # B-tree damage LMDB detects: the store cannot be read
+            return FsckReport(unreadable=f"reading {tier.data_file()} failed: {exc}")
+        finally:
+            tier.close()
+
+
+def fsck_isolated(data_dir: str | Path, repair: bool = False, progress: bool = False) -> FsckReport:
+    """`fsck` in a child process: a signal there becomes an unreadable report, not our death.
+
+    Raises what `fsck` raises (re-raised from the child), or FsckCannotRunError.
+    """
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, data_dir, repair, progress), daemon=True)
+    child.start()
+    send.close()
     try:
-        report = FsckReport()
-        records = list(tier.iter_meta_raw())
-        metas = {key: meta for key, meta in records if meta is not None}
-        bad = {key for key, meta in records if meta is None}
-        report.problems += [FsckProblem(k.hex(), "bad-metadata", "record does not parse") for k in bad]
-        for meta in _progress(metas.values(), progress, len(metas)):
-            report.blocks_checked += 1
-            found = _check_block(tier, meta)
-            report.chunks_checked += meta.num_chunks
-            report.problems += found
-            if found:
-                bad.add(meta.key)
-        bad |= _orphans(metas, report)
-        orphan_chunks = _orphan_chunks(tier, metas)
-        report.problems += [
-            FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it") for k in orphan_chunks
-        ]
-        if repair and report.problems:
-            doomed = _with_descendants(bad, metas)
-            for key in doomed:
-                tier.delete_raw(key)
-            tier.delete_chunk_keys(orphan_chunks)
-            report.blocks_removed, report.chunks_removed = len(doomed), len(orphan_chunks)
-            report.repaired = True
-        return report
-    finally:
-        tier.close()
-        lock.release()
+        outcome = receive.recv() if receive.poll(None) else None
+    except EOFError:
+        outcome = None
+    child.join()
+    if isinstance(outcome, FsckReport):
+        return outcome
+    if isinstance(outcome, BaseException):
+        raise outcome
+    data_file = Path(data_dir) / "lmdb" / "data.mdb"
+    if child.exitcode is not None and child.exitcode < 0:
+        name = signal.Signals(-child.exitcode).name
+        return FsckReport(unreadable=f"the check died with {name} while reading {data_file}: it is damaged")
+    raise FsckCannotRunError(f"the check process exited with code {child.exitcode} and no report")
+
+
+def _child(
+    send: multiprocessing.connection.Connection, data_dir: str | Path, repair: bool, progress: bool
+) -> None:
+    try:
+        send.send(fsck(data_dir, repair, progress))
+    except Exception as exc:  # every failure goes back to the parent, typed
+        send.send(exc if _picklable(exc) else FsckCannotRunError(f"{type(exc).__name__}: {exc}"))
+
+
+def _picklable(exc: Exception) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # any pickling failure: send a plain error
+        return False
+    return True
+
+
+def _check(tier: LmdbTier, repair: bool, progress: bool) -> FsckReport:
+    report = FsckReport()
+    records = list(tier.iter_meta_raw())
+    metas = {key: meta for key, meta in records if isinstance(meta, BlockMeta)}
+    bad = {key for key, meta in records if not isinstance(meta, BlockMeta)}
+    report.problems += [FsckProblem(k.hex(), "bad-metadata", m) for k, m in records if isinstance(m, str)]
+    for meta in _progress(metas.values(), progress, len(metas)):
+        report.blocks_checked += 1
+        found = _check_block(tier, meta)
+        report.chunks_checked += meta.num_chunks
+        report.problems += found
+        if found:
+            bad.add(meta.key)
+    bad |= _orphans(metas, report)
+    orphan_chunks, stale_chunks = _stray_chunks(tier, metas, skip=bad)
+    report.problems += [
+        FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it") for k in orphan_chunks
+    ]
+    report.problems += [
+        FsckProblem(k[:16].hex(), "stale-chunk", f"layout {int.from_bytes(k[16:20], 'big')} is not current")
+        for k in stale_chunks
+    ]
+    if repair and report.problems:
+        doomed = _with_descendants(bad, metas)
+        for key in doomed:
+            tier.delete_raw(key)
+        tier.delete_chunk_keys(orphan_chunks + stale_chunks)
+        report.blocks_removed, report.chunks_removed = len(doomed), len(orphan_chunks) + len(stale_chunks)
+        report.repaired = True
+    return report
 
 
 def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
@@ -116,19 +209,34 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
 def _orphans(metas: dict[bytes, BlockMeta], report: FsckReport) -> set[bytes]:
     orphans = set()
     for meta in metas.values():
-        if meta.parent != ROOT_KEY and meta.parent not in metas:
-            orphans.add(meta.key)
-            report.problems.append(FsckProblem(meta.key.hex(), "orphan-block", "parent block is missing"))
+        if meta.parent == ROOT_KEY:
+            continue
+        parent = metas.get(meta.parent)
+        if parent is None:
+            detail = "parent block is missing"
+        elif parent.depth != meta.depth - 1:
+            detail = f"depth {meta.depth} under a parent at depth {parent.depth}"
+        else:
+            continue
+        orphans.add(meta.key)
+        report.problems.append(FsckProblem(meta.key.hex(), "orphan-block", detail))
     return orphans
 
 
-def _orphan_chunks(tier: LmdbTier, metas: dict[bytes, BlockMeta]) -> list[bytes]:
-    out = []
+def _stray_chunks(
+    tier: LmdbTier, metas: dict[bytes, BlockMeta], skip: set[bytes]
+) -> tuple[list[bytes], list[bytes]]:
+    """(chunks of no block, chunks of a live block's older layout); blocks in `skip` excluded."""
+    orphans, stale = [], []
     for key in tier.iter_chunk_keys():
         meta = metas.get(key[:16])
-        if meta is None or int.from_bytes(key[16:20], "big") != meta.layout_version:
-            out.append(key)
-    return out
+        if key[:16] in skip:
+            continue  # a bad block's chunks go with it
+        if meta is None:
+            orphans.append(key)
+        elif int.from_bytes(key[16:20], "big") != meta.layout_version:
+            stale.append(key)
+    return orphans, stale
 
 
 def _with_descendants(keys: set[bytes], metas: dict[bytes, BlockMeta]) -> set[bytes]:

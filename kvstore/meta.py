@@ -1,7 +1,11 @@
 """Block metadata: what a tier keeps beside a block's chunks.
 
 Serialised as a small binary record so that the radix tree can be rebuilt from the
-disk tier at start-up without decoding any chunk.
+disk tier at start-up without decoding any chunk. Record version 2 ends with an
+xxh3-64 checksum over everything before it; version 1 (no checksum) is still read.
+Every read of either version also checks the record's identity: its key must be
+the hash of its parent, tokens, fingerprint and namespace (docs/keys.md), so a
+flipped token id can never make one prompt's KV answer another prompt.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvstore.errors import ChecksumError
+from kvstore.keys import ROOT_KEY, block_key
 
 _FIXED = struct.Struct("<4sH16s16s16sIIHIQdI")  # see BlockMeta.to_bytes
+_CHECKSUM = struct.Struct("<Q")
 _MAGIC = b"KVSM"
-_VERSION = 1
+_VERSION = 2  # written; 1 (no checksum) is still read
+_READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -78,12 +86,15 @@ class BlockMeta:
         """A copy with a new layout (used by re-layout)."""
         return replace(self, layout_version=layout_version, permutation=permutation, nbytes=nbytes)
 
-    def to_bytes(self) -> bytes:
-        """Binary record: fixed header, JSON extras, tokens, permutation, scores."""
+    def to_bytes(self, version: int = _VERSION) -> bytes:
+        """Binary record: fixed header, JSON extras, tokens, permutation, scores, checksum.
+
+        `version=1` writes the old record without a checksum (tests of backward reading).
+        """
         extras = json.dumps({"namespace_name": self.namespace_name}).encode()
         has_scores = self.scores is not None
         fixed = _FIXED.pack(
-            _MAGIC, _VERSION, self.key, self.parent, self.fingerprint,
+            _MAGIC, version, self.key, self.parent, self.fingerprint,
             self.depth, self.num_tokens, self.chunk_tokens, self.layout_version,
             self.nbytes, self.created, len(extras),
         )  # fmt: skip
@@ -97,22 +108,35 @@ class BlockMeta:
         ]
         if self.scores is not None:
             parts.append(np.asarray(self.scores, dtype="<f4").tobytes())
-        return b"".join(parts)
+        body = b"".join(parts)
+        return body if version == 1 else body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> BlockMeta:
-        """Inverse of `to_bytes`. Raises `ChecksumError` on a malformed record."""
-        buf = bytes(data)
+        """Inverse of `to_bytes`, verified.
+
+        Raises:
+            ChecksumError: a malformed record, a checksum mismatch (version 2), or a
+                record whose key is not the hash of its content (`identity_error`).
+        """
+        meta = cls._parse(_verified_body(bytes(data)))
+        problem = identity_error(meta)
+        if problem is not None:
+            raise ChecksumError(f"block metadata {meta.key.hex()}: {problem}")
+        return meta
+
+    @classmethod
+    def _parse(cls, buf: bytes) -> BlockMeta:
         try:
-            (magic, version, key, parent, fp, depth, n, chunk_tokens, layout,
+            (_magic, _version, key, parent, fp, depth, n, chunk_tokens, layout,
              nbytes, created, extras_len) = _FIXED.unpack_from(buf)  # fmt: skip
-            if magic != _MAGIC or version != _VERSION:
-                raise ChecksumError(f"not a block metadata record (magic {magic!r})")
             off = _FIXED.size
             namespace = buf[off : off + 16]
             has_scores = buf[off + 16]
             off += 17
             extras = json.loads(buf[off : off + extras_len])
+            if not isinstance(extras, dict):
+                raise ValueError(f"extras are {type(extras).__name__}, not an object")
             off += extras_len
             tokens = np.frombuffer(buf, dtype="<u4", count=n, offset=off).astype(np.uint32)
             off += 4 * n
@@ -130,3 +154,37 @@ class BlockMeta:
             key, parent, fp, namespace, depth, tokens, chunk_tokens, layout, perm, scores,
             nbytes, created, extras.get("namespace_name", ""),
         )  # fmt: skip
+
+
+def _verified_body(buf: bytes) -> bytes:
+    """The record without its checksum, after checking magic, version and checksum."""
+    if len(buf) < _FIXED.size or buf[:4] != _MAGIC:
+        raise ChecksumError(f"not a block metadata record (starts {buf[:4]!r})")
+    version = int.from_bytes(buf[4:6], "little")
+    if version not in _READABLE_VERSIONS:
+        raise ChecksumError(f"block metadata record version {version} is not one of {_READABLE_VERSIONS}")
+    if version == 1:
+        return buf
+    body, tail = buf[: -_CHECKSUM.size], buf[-_CHECKSUM.size :]
+    if _CHECKSUM.unpack(tail)[0] != xxhash.xxh3_64_intdigest(body):
+        raise ChecksumError("block metadata checksum mismatch")
+    return body
+
+
+def identity_error(meta: BlockMeta) -> str | None:
+    """Why `meta` cannot be the record of the block it names, or None if it can.
+
+    Checks that the key is the hash of (parent, tokens, fingerprint, namespace) as in
+    docs/keys.md, that only a first block hangs off the root, and that the chunk
+    size and permutation describe the block's tokens.
+    """
+    if meta.num_tokens == 0 or meta.chunk_tokens < 1:
+        return f"empty block or chunk size ({meta.num_tokens} tokens, {meta.chunk_tokens} per chunk)"
+    if block_key(meta.parent, meta.tokens, meta.fingerprint, meta.namespace) != meta.key:
+        return "key is not the hash of its parent, tokens, fingerprint and namespace"
+    if (meta.depth == 0) != (meta.parent == ROOT_KEY):
+        return f"depth {meta.depth} does not match its parent {meta.parent.hex()}"
+    perm = np.asarray(meta.permutation)
+    if perm.shape != (meta.num_tokens,) or not np.array_equal(np.sort(perm), np.arange(meta.num_tokens)):
+        return "permutation is not an ordering of the block's tokens"
+    return None

@@ -7,10 +7,17 @@ new layout version, switches the metadata in the same transaction, then deletes
 the old chunks in a second one. Killed at any point, every block is loadable in
 its old or its new layout; old chunks left behind are swept by the next run.
 It takes the data directory's lock exclusively: no server may run beside it.
+
+Fault injection (tests only): with `KVSIEVE_FAULT=relayout-between-transactions`
+in the environment, the job SIGKILLs itself right after the first block's new
+layout is committed and before its old chunks are deleted, so a test can check
+the state a real crash at that instant leaves (tests/test_relayout.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,8 +132,19 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
         kv = block_kv[:, :, :, offsets]
         chunks.append(encode_chunk(cid, meta.start + offsets, kv, dtype, codec))
     new_meta = meta.with_layout(version, new_perm, sum(len(c) for c in chunks))
-    tier.replace_layout(meta, new_meta, chunks)
+    tier.write_layout(meta, new_meta, chunks)
+    _fault_point("relayout-between-transactions")
+    tier.drop_layout(meta)
     return new_meta.nbytes
+
+
+FAULT_ENV = "KVSIEVE_FAULT"
+
+
+def _fault_point(name: str) -> None:
+    """Die here by SIGKILL when the test-only fault `name` is armed (module docstring)."""
+    if os.environ.get(FAULT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sweep_stale_chunks(tier: LmdbTier) -> int:

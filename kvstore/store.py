@@ -2,7 +2,13 @@
 
 Bookkeeping (the radix tree, leases, selection) is kept apart from moving bytes
 (the tiers). The tree learns a block only after its data is durable in the slowest
-local tier, so a lookup never promises data that a crash could lose.
+local tier, so a lookup never promises data that a crash could lose. The new
+blocks of one `store` call go to disk in one transaction: all of them or none.
+
+The tree owns eviction of what it lists: disk-budget pressure evicts through it,
+and in a memory-only store the memory tier never evicts by itself (the tree picks
+the victims), so lookup never reports a block that load cannot deliver. With a
+durable tier, memory is a cache of it and evicts chunks by its own policy.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -44,7 +50,10 @@ from radix import MatchResult, RadixTree
 
 if TYPE_CHECKING:
     from kvstore.remote import RemoteLink
+    from kvstore.tiers.lmdb import LmdbTier
     from kvstore.tiers.redis import RedisTier
+
+NewBlock = tuple[BlockMeta, list[bytes]]
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -71,6 +80,8 @@ class TieredStore:
             policy=create_policy(self.config.memory_policy),
             is_pinned=self.tree.is_pinned,
             pin_host_memory=self.config.pin_host_memory,
+            # Only a cache of a durable tier may drop chunks the tree still lists.
+            self_evict=self.config.lmdb_dir is not None or self.config.remote_url is not None,
         )
         self.durable: list[Tier] = []
         self._lock = None
@@ -130,9 +141,13 @@ class TieredStore:
                 loaded the prefix's first blocks sends only the KV it computed; if one
                 of those first blocks is no longer cached, nothing can be stored.
 
+        All new blocks are written or none (one LMDB transaction); on an error
+        nothing of this call is kept.
+
         Raises:
             InvalidInputError: bad tokens, shape, dtype or scores; nothing is written.
-            StoreFullError: the disk budget is exhausted by pinned blocks.
+            StoreFullError: the budget is held by pinned blocks, or the disk is full.
+            StorageUnavailableError: an I/O error, or the data file was deleted under us.
         """
         toks = as_token_array(tokens)
         b = self.config.block_tokens
@@ -147,17 +162,14 @@ class TieredStore:
             match = self.tree.match(root, toks, touch=False)
             if len(match.nodes) < kv_start // b:  # a block before the KV we have is gone
                 return StoreResult(match.num_tokens, 0, 0)
-            written = 0
             held = [n.key for n in match.nodes]
             self.tree.pin(held)  # the parent chain must survive eviction for this store
             try:
-                for index in range(len(match.nodes), len(keys)):
-                    meta, chunks = self._encode_block(
-                        toks, kv, scores, kv_start, keys, index, model, root, namespace
-                    )
-                    written += self._write_block(meta, chunks, model, root, toks)
-                    held.append(meta.key)
-                    self.tree.pin([meta.key])
+                blocks = [
+                    self._encode_block(toks, kv, scores, kv_start, keys, index, model, root, namespace)
+                    for index in range(len(match.nodes), len(keys))
+                ]
+                written = self._write_blocks(blocks, model, root, toks)
             finally:
                 self.tree.unpin(held)
         new_blocks = len(keys) - len(match.nodes)
@@ -308,51 +320,72 @@ class TieredStore:
         )  # fmt: skip
         return meta, chunks
 
-    def _write_block(
-        self,
-        meta: BlockMeta,
-        chunks: list[bytes],
-        model: ModelSpec,
-        root: tuple[bytes, bytes],
-        toks: Array,
+    def _write_blocks(
+        self, blocks: list[NewBlock], model: ModelSpec, root: tuple[bytes, bytes], toks: Array
     ) -> int:
-        for tier in self._local_durable():
-            self._put_durable(tier, meta, chunks)
-            self.counters.add(f"bytes_written.{tier.name}", meta.nbytes)
-        memory_chunks = chunks if self.config.codec == "raw" else [_reencode_raw(x, model) for x in chunks]
-        try:
-            self.memory.put_block(meta, memory_chunks)
-            self.counters.add("bytes_written.memory", sum(len(x) for x in memory_chunks))
-        except TierFullError:
-            if not self.durable:
-                raise StoreFullError(
-                    "memory tier is full of pinned blocks and there is no disk tier"
-                ) from None
-        parent = None if meta.depth == 0 else meta.parent
+        """Local durable tiers first (all blocks at once), then memory, then the tree, then the
+        shared tier's queue. Returns bytes."""
+        if not blocks:
+            return 0
+        needed = sum(meta.nbytes for meta, _ in blocks)
+        local = self._local_durable()
+        for tier in local:
+            self._put_durable(tier, blocks, needed)
+            self.counters.add(f"bytes_written.{tier.name}", needed)
+        raw = self.config.codec == "raw"
+        in_memory = [(m, c if raw else [_reencode_raw(x, model) for x in c]) for m, c in blocks]
+        if not local:  # memory is the only local copy: make room for all of them, or fail now
+            self._reserve_memory(sum(len(x) for _, c in in_memory for x in c))
         b = self.config.block_tokens
-        self.tree.insert(root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta)
+        for meta, chunks in in_memory:
+            try:
+                self.memory.put_block(meta, chunks)
+                self.counters.add("bytes_written.memory", sum(len(x) for x in chunks))
+            except TierFullError:
+                if not local:  # cannot happen after _reserve_memory; never list what is not held
+                    raise StoreFullError("memory tier is full and there is no disk tier") from None
+            parent = None if meta.depth == 0 else meta.parent
+            self.tree.insert(root, parent, toks[meta.start : meta.start + b], meta.key, meta.nbytes, meta)
         if self.remote_link is not None:  # after the local commit; queued, never blocks
-            self.remote_link.write(meta, chunks)
-        return meta.nbytes
+            for meta, chunks in blocks:
+                self.remote_link.write(meta, chunks)
+        return needed
 
-    def _put_durable(self, tier: Tier, meta: BlockMeta, chunks: list[bytes]) -> None:
+    def _put_durable(self, tier: Tier, blocks: list[NewBlock], needed: int) -> None:
         usage = tier.usage()
-        if usage.capacity_bytes is not None and usage.used_bytes + meta.nbytes > usage.capacity_bytes:
-            self._evict(usage.used_bytes + meta.nbytes - usage.capacity_bytes)
+        if usage.capacity_bytes is not None and usage.used_bytes + needed > usage.capacity_bytes:
+            self._evict(usage.used_bytes + needed - usage.capacity_bytes)
             usage = tier.usage()
-            if usage.used_bytes + meta.nbytes > (usage.capacity_bytes or 0):
+            if usage.used_bytes + needed > (usage.capacity_bytes or 0):
                 raise StoreFullError(
                     f"{tier.name} tier budget of {usage.capacity_bytes} B is held by pinned blocks "
-                    f"({usage.used_bytes} B used, {meta.nbytes} B needed)"
+                    f"({usage.used_bytes} B used, {needed} B needed); nothing of this call was kept"
                 )
         try:
-            tier.put_block(meta, chunks)
+            _put_all(tier, blocks)
         except TierFullError:
-            self._evict(max(meta.nbytes, (usage.capacity_bytes or 0) // 10))
+            self._evict(max(needed, (usage.capacity_bytes or 0) // 10))
             try:
-                tier.put_block(meta, chunks)
+                _put_all(tier, blocks)
             except TierFullError as exc:
                 raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc
+
+    def _reserve_memory(self, size: int) -> None:
+        """Memory-only store: evict least recently used blocks through the tree until `size` fits."""
+        while True:
+            usage = self.memory.usage()
+            capacity = usage.capacity_bytes or 0
+            if size > capacity:
+                raise StoreFullError(f"{size} B of new blocks exceed the memory tier's {capacity} B")
+            if usage.used_bytes + size <= capacity:
+                return
+            victims = self.tree.evict(usage.used_bytes + size - capacity)
+            if not victims:
+                raise StoreFullError(
+                    "memory tier is full of pinned blocks and there is no disk tier; nothing was kept"
+                )
+            for node in victims:
+                self.memory.evict_block(node.key)
 
     def _evict(self, num_bytes: int) -> None:
         # Local pressure frees local tiers only: the shared tier holds blocks other
@@ -494,15 +527,24 @@ class TieredStore:
         return (namespace_digest(namespace), model.fingerprint)
 
     def _rebuild_tree(self) -> int:
-        """Learn every block on the local disk tier (a restarted store is warm). Returns orphans."""
+        """Learn every block on the local disk tier (a restarted store is warm). Returns orphans.
+
+        Records that fail their checksum or identity check are skipped and counted
+        (`metadata_failures`): their prompts are misses until stored again.
+        """
         if not self.durable or self.config.lmdb_dir is None:
             return 0
-        metas = sorted(self.durable[0].iter_meta(), key=lambda m: (m.depth, m.created))
+        records = list(cast("LmdbTier", self.durable[0]).iter_meta_raw())
+        metas = sorted(
+            (m for _, m in records if isinstance(m, BlockMeta)), key=lambda m: (m.depth, m.created)
+        )
+        self.counters.add("metadata_failures", len(records) - len(metas))
         orphans = 0
         for meta in metas:
             parent = None if meta.depth == 0 else meta.parent
+            parent_node = None if parent is None else self.tree.get(parent)
             if (
-                parent is not None and self.tree.get(parent) is None
+                parent is not None and (parent_node is None or parent_node.depth != meta.depth - 1)
             ) or meta.num_tokens != self.config.block_tokens:
                 orphans += 1
                 continue
@@ -510,6 +552,16 @@ class TieredStore:
                 (meta.namespace, meta.fingerprint), parent, meta.tokens, meta.key, meta.nbytes, meta
             )
         return orphans
+
+
+def _put_all(tier: Tier, blocks: list[NewBlock]) -> None:
+    """One transaction where the tier offers it (LMDB `put_blocks`), else block by block."""
+    put_blocks = getattr(tier, "put_blocks", None)
+    if put_blocks is not None:
+        put_blocks(blocks)
+        return
+    for meta, chunks in blocks:
+        tier.put_block(meta, chunks)
 
 
 def _check_budget(budget: float, budget_tokens: int | None) -> None:

@@ -12,7 +12,13 @@ import grpc
 import numpy as np
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.errors import ChecksumError, InvalidInputError, NotFoundError, StoreFullError
+from kvstore.errors import (
+    ChecksumError,
+    InvalidInputError,
+    NotFoundError,
+    StorageUnavailableError,
+    StoreFullError,
+)
 from kvstore.model import ModelSpec
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierUsage
@@ -32,6 +38,7 @@ class UnauthenticatedError(Exception):
 _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
     (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StorageUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (ChecksumError, grpc.StatusCode.DATA_LOSS),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
@@ -51,7 +58,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 def error_for(code: grpc.StatusCode, details: str) -> Exception:
     """Inverse of `status_for` on the client: the domain error for a status, or None."""
     for cls, mapped in _STATUS:
-        if mapped == code and cls is not ValueError:
+        # UNAVAILABLE also means "server gone": the client keeps it as RpcFailedError.
+        if mapped == code and cls not in (ValueError, StorageUnavailableError):
             return cls(details)
     raise LookupError(code)
 

@@ -1,4 +1,4 @@
-"""Helper process for test_crash.py: stores deterministic prefixes until killed."""
+"""Helper process for test_crash.py: stores deterministic prefixes until killed, saying after each."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def main() -> None:
         for j in range(10_000):
             tokens, kv = prompt(round_index, j)
             store.store(tokens, kv, model=MODEL)
+            print("stored", flush=True)  # the test kills after a chosen number of these
 
 
 if __name__ == "__main__":

@@ -1,11 +1,28 @@
-"""Helper for test_relayout.py: run the re-layout job until killed."""
+"""Helper for test_relayout.py: run the re-layout job until killed, saying after each block.
+
+It prints "ready" before the job starts and "block" after each block's rewrite is
+complete (both transactions committed), so the test can kill it after a chosen
+number of blocks, with work still to do, and know how far it got.
+"""
 
 from __future__ import annotations
 
 import sys
 
+from kvstore.meta import BlockMeta
 from kvstore.relayout import relayout
+from kvstore.tiers.lmdb import LmdbTier
+
+_drop_layout = LmdbTier.drop_layout
+
+
+def _drop_layout_and_say(self: LmdbTier, old: BlockMeta) -> None:
+    _drop_layout(self, old)
+    print("block", flush=True)
+
 
 if __name__ == "__main__":
+    LmdbTier.drop_layout = _drop_layout_and_say  # type: ignore[method-assign]
     print("ready", flush=True)
     relayout(sys.argv[1], min_change=0.0)
+    print("done", flush=True)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from crash_writer import CONFIG_KW, MODEL, prompt
+from crash_writer import CONFIG_KW, MODEL, SHARED, prompt
 
 from kvstore.config import StoreConfig
 from kvstore.fsck import fsck
@@ -30,10 +30,15 @@ def test_sigkill_mid_store_leaves_whole_blocks_or_misses(tmp_path: Path) -> None
         args = [sys.executable, writer, str(tmp_path), str(round_index)]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, env=env)
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.0, 0.6))
+        done = rng.randint(0, 3)  # prompts finished before the kill; 10,000 are queued
+        for _ in range(done):
+            assert proc.stdout.readline().strip() == b"stored"
+        time.sleep(rng.uniform(0.0, 0.05))  # land anywhere inside the next store
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        checked_blocks += verify_rounds(tmp_path, [round_index])
+        assert proc.wait() == -signal.SIGKILL  # it died by the signal, in the middle of its work
+        blocks = verify_rounds(tmp_path, [round_index])
+        assert blocks >= done * 512 // CONFIG_KW["block_tokens"]  # every prompt it reported is whole
+        checked_blocks += blocks
     assert checked_blocks > ROUNDS  # the writer got real work done between kills
     assert verify_rounds(tmp_path, list(range(ROUNDS))) == checked_blocks  # later rounds lost nothing
     report = fsck(tmp_path)
@@ -51,6 +56,7 @@ def verify_rounds(data_dir: Path, rounds: list[int]) -> int:
                 hit = store.lookup(tokens, model=MODEL).num_tokens
                 if hit == 0 and j > 0:
                     break
+                assert hit in (SHARED if j else 0, len(tokens))  # a Store is all or nothing
                 covered, positions, loaded = store.load_arrays(tokens, model=MODEL)
                 assert covered == hit and covered % CONFIG_KW["block_tokens"] == 0
                 assert positions.tolist() == list(range(covered))

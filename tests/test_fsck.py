@@ -72,4 +72,12 @@ def test_missing_parent_and_stray_chunks_are_found(small_config: StoreConfig, ti
 
 def test_fsck_of_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     result = kvsieve("fsck", "--data-dir", str(tmp_path / "nothing"))
-    assert result.returncode == 2 and "no kvsieve store" in result.stderr
+    assert result.returncode == 3 and "no kvsieve store" in result.stderr  # could not run at all
+
+
+def test_fsck_repair_beside_a_live_store_cannot_run(small_config: StoreConfig, tiny: ModelSpec) -> None:
+    filled(small_config, tiny)
+    with TieredStore(small_config):
+        result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--repair")
+    assert result.returncode == 3 and "in use by a running kvsieve" in result.stderr
+    assert "Traceback" not in result.stderr

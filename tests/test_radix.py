@@ -37,8 +37,10 @@ def test_divergent_prefixes_share_their_common_blocks() -> None:
     tree = RadixTree(B)
     a = build(tree, list(range(12)))
     b = build(tree, [*range(8), 50, 51, 52, 53])
-    assert a[:2] != b[:2] or tree.num_blocks == 4  # keys here encode the prefix; 2 shared nodes
-    assert tree.num_blocks == 4
+    assert b[:2] == a[:2] and b[2] != a[2]  # the first two blocks are the same nodes
+    fork = tree.get(b[2])
+    assert fork is not None and fork.parent is tree.get(a[1]) is not None
+    assert tree.num_blocks == 4  # 3 of a, 1 new of b
     assert [n.key for n in tree.match(ROOT, np.asarray([*range(8), 50, 51, 52, 53])).nodes] == [
         a[0],
         a[1],

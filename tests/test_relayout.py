@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from conftest import TINY, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.fsck import fsck
-from kvstore.relayout import relayout
+from kvstore.relayout import FAULT_ENV, relayout
 from kvstore.store import TieredStore
 
 CONFIG = {"block_tokens": 32, "chunk_tokens": 8}
@@ -75,6 +76,30 @@ def test_relayout_refuses_beside_a_live_store(tmp_path: Path) -> None:
     assert result.returncode == 0 and json.loads(result.stdout)["blocks_rewritten"] == PROMPTS * 3
 
 
+def layout_versions(data_dir: Path) -> dict[bytes, int]:
+    """Layout version of every block, by key."""
+    with TieredStore(StoreConfig(data_dir=data_dir, **CONFIG)) as store:  # type: ignore[arg-type]
+        return {n.key: n.payload.layout_version for n in store.tree.nodes()}
+
+
+def test_relayout_killed_between_its_two_transactions(tmp_path: Path) -> None:
+    prompts = fill(tmp_path)
+    cmd = [sys.executable, "-m", "kvstore.cli", "relayout", "--data-dir", str(tmp_path)]
+    env = {**os.environ, FAULT_ENV: "relayout-between-transactions"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == -signal.SIGKILL  # it died at the fault point, mid-job
+    assert Counter(layout_versions(tmp_path).values()) == {1: 1, 0: PROMPTS * 3 - 1}  # one switched
+    check_loads(tmp_path, prompts)  # bit-exact: the switched block in its new layout, the rest old
+    report = fsck(tmp_path)
+    stale = [p for p in report.problems if p.kind == "stale-chunk"]
+    assert len(report.problems) == len(stale) == 96 // CONFIG["chunk_tokens"] // 3  # the old layout's 4
+    assert len({p.key for p in stale}) == 1 and "layout 0 is not current" in stale[0].detail
+    again = relayout(tmp_path)
+    assert again.stale_chunks_removed == len(stale) and again.blocks_rewritten == PROMPTS * 3 - 1
+    check_loads(tmp_path, prompts)
+    assert fsck(tmp_path).clean
+
+
 @pytest.mark.slow
 def test_relayout_killed_at_random_moments_stays_consistent(tmp_path: Path) -> None:
     rng = random.Random(7)
@@ -86,12 +111,20 @@ def test_relayout_killed_at_random_moments_stays_consistent(tmp_path: Path) -> N
                 for tokens, _kv in prompts:
                     scores = np.random.default_rng(round_index).random(96).astype(np.float32) * 1000
                     store.report_scores(tokens, scores, model=TINY)
+        before = layout_versions(tmp_path)
         victim = [sys.executable, str(Path(__file__).parent / "relayout_victim.py"), str(tmp_path)]
-        proc = subprocess.Popen(victim, stdout=subprocess.PIPE, env=env)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.0, 0.4))
+        proc = subprocess.Popen(victim, stdout=subprocess.PIPE, text=True, env=env)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        finished = rng.randint(0, 12)  # of 36 blocks: the rest (~20 ms each) is still to do
+        for _ in range(finished):
+            assert proc.stdout.readline().strip() == "block"
+        time.sleep(rng.uniform(0.0, 0.01))  # land anywhere inside the next block's rewrite
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        rest = proc.stdout.read()
+        assert proc.wait() == -signal.SIGKILL and "done" not in rest  # killed mid-job
+        after = layout_versions(tmp_path)
+        moved = sum(after[key] != version for key, version in before.items())
+        assert finished <= moved < PROMPTS * 3  # the blocks it said it finished, and not all of them
         check_loads(tmp_path, prompts)
     relayout(tmp_path, min_change=0.0)
     check_loads(tmp_path, prompts)

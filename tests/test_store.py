@@ -238,3 +238,42 @@ def test_sidecars_share_blocks_through_redis(tmp_path: Path, redis_url: str, tin
         assert covered == 96 and loaded.tobytes() == kv[:, :, :, :96].tobytes()
         assert second.stats().get("chunk_hits.redis") == 12
         assert second.lookup(tokens, model=tiny, namespace="other").num_tokens == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_memory_only_lookup_never_promises_what_load_cannot_deliver(tiny: ModelSpec, policy: str) -> None:
+    with TieredStore(StoreConfig(block_tokens=32, chunk_tokens=8, memory_policy=policy)) as probe:
+        block_bytes = probe.store(make_tokens(32), make_kv(tiny, 32), model=tiny).bytes_written
+    config = StoreConfig(block_tokens=32, chunk_tokens=8, memory_bytes=5 * block_bytes, memory_policy=policy)
+    prompts = [(make_tokens(64, seed=i), make_kv(tiny, 64, seed=i)) for i in range(8)]
+    with TieredStore(config) as s:
+        for stored, (tokens, kv) in enumerate(prompts, start=1):
+            scores = np.random.default_rng(stored).random(64).astype(np.float32)  # uneven chunk mass
+            s.store(tokens, kv, model=tiny, scores=scores)
+            for earlier, earlier_kv in prompts[:stored]:
+                promised = s.lookup(earlier, model=tiny).num_tokens
+                covered, positions, loaded = s.load_arrays(earlier, model=tiny)
+                assert covered == promised
+                assert loaded.tobytes() == earlier_kv[:, :, :, positions].tobytes()
+        held = [s.lookup(t, model=tiny).num_tokens for t, _ in prompts]
+        assert held[-1] == 64 and 0 in held  # eviction happened, the newest prompt stayed whole
+        assert s.stats().get("evictions.memory") > 0
+        assert s.stats().get("chunk_misses") == 0
+
+
+def test_store_is_all_or_nothing_when_the_budget_is_held(tmp_path: Path, tiny: ModelSpec) -> None:
+    probe = StoreConfig(data_dir=tmp_path / "probe", block_tokens=32, chunk_tokens=8)
+    with TieredStore(probe) as s:
+        block_bytes = s.store(make_tokens(32), make_kv(tiny, 32), model=tiny).bytes_written
+    config = StoreConfig(data_dir=tmp_path / "d", block_tokens=32, chunk_tokens=8, disk_bytes=2 * block_bytes)
+    pinned, two_blocks = make_tokens(32, seed=1), make_tokens(64, seed=2)
+    with TieredStore(config) as s:
+        s.store(pinned, make_kv(tiny, 32, 1), model=tiny)
+        s.pin(pinned, model=tiny, ttl_s=600)
+        with pytest.raises(StoreFullError, match="nothing of this call was kept"):
+            s.store(two_blocks, make_kv(tiny, 64, 2), model=tiny)  # its first block alone would fit
+        assert s.lookup(two_blocks, model=tiny).num_tokens == 0
+        assert s.stats().tiers["lmdb"].num_blocks == 1
+    with TieredStore(config) as s:
+        assert s.lookup(two_blocks, model=tiny).num_tokens == 0  # nothing of it on disk either
+        assert s.lookup(pinned, model=tiny).num_tokens == 32

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore.codec import ChunkId, encode_chunk
+from kvstore.keys import ROOT_KEY, block_key
 from kvstore.meta import BlockMeta
 from kvstore.tiers import Tier, TierFullError, create_tier
 
@@ -20,8 +21,9 @@ FP, NS = b"f" * 16, b"n" * 16
 def make_block(
     key_byte: int, num_chunks: int = 4, chunk_tokens: int = 2, layout: int = 0
 ) -> tuple[BlockMeta, list[bytes]]:
-    key = bytes([key_byte]) * 16
     n = num_chunks * chunk_tokens
+    tokens = np.arange(n, dtype=np.uint32) + 1000 * key_byte  # distinct content per key_byte
+    key = block_key(ROOT_KEY, tokens, FP, NS)  # a real key: every read checks it
     rng = np.random.default_rng(key_byte)
     chunks = []
     for i in range(num_chunks):
@@ -29,7 +31,7 @@ def make_block(
         kv = rng.standard_normal((1, 2, 1, chunk_tokens, 4)).astype(np.float16)
         chunks.append(encode_chunk(ChunkId(FP, NS, key, layout, i), positions, kv, "float16"))
     meta = BlockMeta(
-        key, bytes(16), FP, NS, 0, np.arange(n, dtype=np.uint32), chunk_tokens, layout,
+        key, ROOT_KEY, FP, NS, 0, tokens, chunk_tokens, layout,
         np.arange(n), None, sum(len(c) for c in chunks), time.time(), "ns",
     )  # fmt: skip
     return meta, chunks
@@ -104,7 +106,7 @@ def test_replacing_a_block_does_not_double_count(tier: Tier) -> None:
 def test_iter_meta_lists_every_block(tier: Tier) -> None:
     for key_byte in (8, 9, 10):
         tier.put_block(*make_block(key_byte))
-    assert sorted(m.key[0] for m in tier.iter_meta()) == [8, 9, 10]
+    assert sorted(int(m.tokens[0]) // 1000 for m in tier.iter_meta()) == [8, 9, 10]
 
 
 def test_other_layout_version_is_not_returned(tier: Tier) -> None:

@@ -3,7 +3,12 @@
 A block's chunks and its metadata are written in one write transaction, so a
 process killed at any instant leaves either the whole block or none of it.
 LMDB's copy-on-write B-tree with synchronous commits gives that without a journal
-of our own. Reads keep readahead on: chunks are large values stored in
+of our own; `put_blocks` writes several blocks in one transaction (a Store call is
+all or nothing). The data file is checked before it is mapped (kvstore/tiers/lmdbfile.py),
+write failures become `StoreFullError` (disk full) or `StorageUnavailableError`,
+and every write first checks that `data.mdb` is still the file that was opened:
+one deleted or replaced under a running store fails writes instead of writing
+into an unlinked file that vanishes at restart. Reads keep readahead on: chunks are large values stored in
 consecutive overflow pages, and cold reads measured 0.98 GB/s with readahead
 against 83 MB/s without.
 """
@@ -13,19 +18,23 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
 
-from kvstore.errors import ChecksumError
+from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError
 from kvstore.meta import BlockMeta
 from kvstore.tiers.base import TierFullError, TierUsage, chunk_key
+from kvstore.tiers.lmdbfile import check_data_file, reserve_lock_file, write_error
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
 # LMDB needs room beyond the payload: B-tree pages, and freed pages that a reader
 # still sees cannot be reused at once.
 _MAP_OVERHEAD = 2
+_MAX_READERS = 512
+Block = tuple[BlockMeta, Sequence[bytes]]
 
 
 class LmdbTier:
@@ -50,19 +59,42 @@ class LmdbTier:
         self._path.mkdir(parents=True, exist_ok=True)
         self._capacity = capacity_bytes
         self._growable = capacity_bytes is None
-        self._env = lmdb.open(
-            str(self._path),
-            map_size=self._initial_map_size(),
-            max_dbs=4,
-            max_readers=512,
-            readahead=True,
-            sync=True,
-            metasync=True,
-        )
-        self._chunks_db = self._env.open_db(b"chunks")
-        self._blocks_db = self._env.open_db(b"blocks")
         self._write_lock = threading.Lock()
-        self._used, self._num_blocks, self._num_chunks = self._scan_usage()
+        self._env, self._chunks_db, self._blocks_db = self._open_env()
+        try:
+            self._used, self._num_blocks, self._num_chunks = self._scan_usage()
+        except lmdb.Error as exc:  # B-tree damage LMDB detects while reading the records
+            self._env.close()
+            raise DamagedStoreError(f"cannot read {self.data_file()}: {exc}", self._path.parent) from exc
+        st = os.stat(self.data_file())
+        self._file_id = (st.st_dev, st.st_ino)
+
+    def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
+        """Check the data file, reserve the lock file, open LMDB; errors become domain errors."""
+        existed = self.data_file().exists()
+        if existed:
+            check_data_file(self.data_file())
+        reserve_lock_file(self._path / "lock.mdb", _MAX_READERS)
+        env = None
+        try:
+            env = lmdb.open(
+                str(self._path),
+                map_size=self._initial_map_size(),
+                max_dbs=4,
+                max_readers=_MAX_READERS,
+                readahead=True,
+                sync=True,
+                metasync=True,
+            )
+            return env, env.open_db(b"chunks"), env.open_db(b"blocks")
+        except lmdb.Error as exc:
+            if env is not None:
+                env.close()
+            if not existed:  # a half-created file would read as damage at the next start
+                self.data_file().unlink(missing_ok=True)
+            if isinstance(exc, lmdb.DiskError):
+                raise write_error(exc, self._path) from exc
+            raise DamagedStoreError(f"cannot open {self.data_file()}: {exc}", self._path.parent) from exc
 
     @property
     def path(self) -> Path:
@@ -70,50 +102,57 @@ class LmdbTier:
         return self._path
 
     def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+        self.put_blocks([(meta, chunks)])
+
+    def put_blocks(self, blocks: Sequence[Block]) -> None:
+        """Store several blocks in one transaction: all of them or none. Mutates.
+
+        Replaces blocks of the same keys (a damaged old record included). Raises
+        `TierFullError` when the map is full, `StoreFullError` when the disk is, and
+        `StorageUnavailableError` on an I/O error or a data file deleted under us.
+        """
         with self._write_lock:
-            old = self._get_meta_raw(meta.key)
+            olds = [self._read_meta_quiet(meta.key) for meta, _ in blocks]
             for attempt in range(8):
                 try:
-                    with self._env.begin(write=True) as txn:
-                        if old is not None:
-                            self._delete_in_txn(txn, old)
-                        for index, data in enumerate(chunks):
-                            key = chunk_key(meta.key, meta.layout_version, index)
-                            txn.put(key, data, db=self._chunks_db)
-                        txn.put(meta.key, meta.to_bytes(), db=self._blocks_db)
+                    with self._write_txn() as txn:
+                        for meta, chunks in blocks:
+                            self._put_in_txn(txn, meta, chunks)
                     break
                 except lmdb.MapFullError as exc:
                     if not self._growable or attempt == 7:
                         raise TierFullError(f"LMDB map at {self._path} is full") from exc
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
-            size = sum(len(c) for c in chunks)
-            if old is not None:
-                self._account(-old.nbytes, -1, -old.num_chunks)
-            self._account(size, 1, len(chunks))
+            for old, (_meta, chunks) in zip(olds, blocks, strict=True):
+                if old is not None:
+                    self._account(-old.nbytes, -1, -old.num_chunks)
+                self._account(sum(len(c) for c in chunks), 1, len(chunks))
 
-    def replace_layout(self, old: BlockMeta, new: BlockMeta, chunks: Sequence[bytes]) -> None:
-        """Write a new layout of a block, switch its metadata, then drop the old chunks.
+    def write_layout(self, old: BlockMeta, new: BlockMeta, chunks: Sequence[bytes]) -> None:
+        """First half of a re-layout: write the new chunks and switch the metadata. Mutates.
 
-        Two transactions, so that a kill between them leaves the new layout in force
-        and the old chunks as garbage that `sweep_orphans` removes; never a block
-        whose metadata points at missing chunks. Mutates.
+        One transaction. The old layout's chunks stay until `drop_layout`; a process
+        killed in between leaves them as stale chunks that fsck reports and the next
+        re-layout sweeps, never a block whose metadata points at missing chunks.
         """
-        with self._write_lock, self._env.begin(write=True) as txn:
+        with self._write_lock, self._write_txn() as txn:
             for index, data in enumerate(chunks):
                 txn.put(chunk_key(new.key, new.layout_version, index), data, db=self._chunks_db)
             txn.put(new.key, new.to_bytes(), db=self._blocks_db)
-        with self._write_lock:
-            with self._env.begin(write=True) as txn:
-                for index in range(old.num_chunks):
-                    txn.delete(chunk_key(old.key, old.layout_version, index), db=self._chunks_db)
-            self._account(new.nbytes - old.nbytes, 0, 0)
+        self._account(new.nbytes - old.nbytes, 0, 0)
+
+    def drop_layout(self, old: BlockMeta) -> None:
+        """Second half of a re-layout: delete the chunks of the layout `old`. Mutates."""
+        with self._write_lock, self._write_txn() as txn:
+            for index in range(old.num_chunks):
+                txn.delete(chunk_key(old.key, old.layout_version, index), db=self._chunks_db)
 
     def put_meta(self, meta: BlockMeta) -> bool:
-        with self._write_lock, self._env.begin(write=True, db=self._blocks_db) as txn:
-            current = txn.get(meta.key)
+        with self._write_lock, self._write_txn() as txn:
+            current = txn.get(meta.key, db=self._blocks_db)
             if current is None or BlockMeta.from_bytes(current).layout_version != meta.layout_version:
                 return False
-            txn.put(meta.key, meta.to_bytes())
+            txn.put(meta.key, meta.to_bytes(), db=self._blocks_db)
             return True
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
@@ -133,39 +172,37 @@ class LmdbTier:
 
     def delete_block(self, key: bytes) -> int:
         with self._write_lock:
-            meta = self._get_meta_raw(key)
+            meta = self._read_meta_quiet(key)
+            if meta is None and not self.contains(key):
+                return 0
+            with self._write_txn() as txn:
+                self._delete_key_in_txn(txn, key)  # a damaged record goes too, chunks and all
             if meta is None:
                 return 0
-            with self._env.begin(write=True) as txn:
-                self._delete_in_txn(txn, meta)
             self._account(-meta.nbytes, -1, -meta.num_chunks)
             return meta.nbytes
 
     def delete_raw(self, key: bytes) -> None:
         """Delete a metadata record even if it does not parse (fsck --repair). Mutates."""
-        with self._write_lock, self._env.begin(write=True) as txn:
-            txn.delete(key, db=self._blocks_db)
-            cursor = txn.cursor(db=self._chunks_db)
-            if cursor.set_range(key):
-                while cursor.key()[:16] == key and cursor.delete():
-                    pass
+        with self._write_lock, self._write_txn() as txn:
+            self._delete_key_in_txn(txn, key)
         with self._write_lock:
             self._used, self._num_blocks, self._num_chunks = self._scan_usage()
 
     def iter_meta(self) -> Iterator[BlockMeta]:
         for _key, meta in self.iter_meta_raw():
-            if meta is not None:
+            if isinstance(meta, BlockMeta):
                 yield meta
 
-    def iter_meta_raw(self) -> Iterator[tuple[bytes, BlockMeta | None]]:
-        """Every metadata record as (key, parsed meta or None if malformed)."""
+    def iter_meta_raw(self) -> Iterator[tuple[bytes, BlockMeta | str]]:
+        """Every metadata record as (key, verified meta, or why it failed verification)."""
         with self._env.begin(db=self._blocks_db) as txn:
             records = list(txn.cursor())
         for key, value in records:
             try:
-                yield bytes(key), BlockMeta.from_bytes(value)
-            except ChecksumError:
-                yield bytes(key), None
+                yield bytes(key), _verified(bytes(key), value)
+            except ChecksumError as exc:
+                yield bytes(key), str(exc)
 
     def iter_chunk_keys(self) -> Iterator[bytes]:
         """Keys of every stored chunk (for fsck and orphan sweeping)."""
@@ -175,7 +212,7 @@ class LmdbTier:
 
     def delete_chunk_keys(self, keys: Sequence[bytes]) -> None:
         """Delete chunks by storage key (orphans). Mutates."""
-        with self._write_lock, self._env.begin(write=True) as txn:
+        with self._write_lock, self._write_txn() as txn:
             for key in keys:
                 txn.delete(key, db=self._chunks_db)
 
@@ -198,17 +235,56 @@ class LmdbTier:
     def _get_meta_raw(self, key: bytes) -> BlockMeta | None:
         with self._env.begin(db=self._blocks_db) as txn:
             value = txn.get(key)
-        return None if value is None else BlockMeta.from_bytes(value)
+        return None if value is None else _verified(key, value)
 
-    def _delete_in_txn(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
-        for index in range(meta.num_chunks):
-            txn.delete(chunk_key(meta.key, meta.layout_version, index), db=self._chunks_db)
-        txn.delete(meta.key, db=self._blocks_db)
+    def _read_meta_quiet(self, key: bytes) -> BlockMeta | None:
+        """The verified metadata of `key`, or None if absent or damaged (about to be replaced)."""
+        try:
+            return self._get_meta_raw(key)
+        except ChecksumError:
+            return None
+
+    @contextmanager
+    def _write_txn(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction on the file we opened; I/O failures become domain errors."""
+        self._check_file()
+        try:
+            with self._env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError:
+            raise
+        except lmdb.Error as exc:
+            raise write_error(exc, self._path) from exc
+
+    def _check_file(self) -> None:
+        try:
+            st = os.stat(self.data_file())
+        except FileNotFoundError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != self._file_id:
+            raise StorageUnavailableError(
+                f"{self.data_file()} was deleted or replaced under the running store: writes are "
+                "refused (they would go to a file that no longer has a name); restart the store"
+            )
+
+    def _put_in_txn(self, txn: lmdb.Transaction, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+        self._delete_key_in_txn(txn, meta.key)
+        for index, data in enumerate(chunks):
+            txn.put(chunk_key(meta.key, meta.layout_version, index), data, db=self._chunks_db)
+        txn.put(meta.key, meta.to_bytes(), db=self._blocks_db)
+
+    def _delete_key_in_txn(self, txn: lmdb.Transaction, key: bytes) -> None:
+        """Delete a block's record and every chunk under its key, whatever their layout."""
+        txn.delete(key, db=self._blocks_db)
+        cursor = txn.cursor(db=self._chunks_db)
+        if cursor.set_range(key):
+            while cursor.key()[:16] == key and cursor.delete():
+                pass
 
     def _scan_usage(self) -> tuple[int, int, int]:
         used = blocks = chunks = 0
         for _key, meta in self.iter_meta_raw():
-            if meta is not None:
+            if isinstance(meta, BlockMeta):
                 used += meta.nbytes
                 blocks += 1
                 chunks += meta.num_chunks
@@ -218,3 +294,11 @@ class LmdbTier:
         self._used += used
         self._num_blocks += blocks
         self._num_chunks += chunks
+
+
+def _verified(key: bytes, value: bytes | memoryview) -> BlockMeta:
+    """Parse and verify a record stored under `key`; it must name that key."""
+    meta = BlockMeta.from_bytes(value)
+    if meta.key != key:
+        raise ChecksumError(f"record under {key.hex()} names block {meta.key.hex()}")
+    return meta

@@ -1,8 +1,11 @@
 """Memory tier: encoded chunks in host memory under a byte budget.
 
-Unlike the disk tier it is a cache: it evicts chunks by itself (its policy chooses
+Beside a durable tier it is a cache: it evicts chunks by itself (its policy chooses
 which) to make room, never chunks of pinned blocks, since the disk tier holds a
-full copy. Buffers are page-locked when CUDA is available.
+full copy. As the only tier (`self_evict=False`) it never drops anything by
+itself: the store's index chooses whole blocks to evict (`evict_block`), so no
+block the index lists can lose a chunk behind its back. Buffers are page-locked
+when CUDA is available.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class MemoryTier:
         policy: EvictionPolicy | None = None,
         is_pinned: Callable[[bytes], bool] | None = None,
         pin_host_memory: bool = True,
+        self_evict: bool = True,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
@@ -125,6 +129,7 @@ class MemoryTier:
         self._policy: EvictionPolicy = policy or LruPolicy()
         self._is_pinned = is_pinned or (lambda key: False)
         self._pin_host = pin_host_memory
+        self._self_evict = self_evict
         self._chunks: dict[ChunkRef, np.ndarray[Any, Any]] = {}
         self._metas: dict[bytes, BlockMeta] = {}
         self._chunk_count: dict[bytes, int] = {}
@@ -194,6 +199,12 @@ class MemoryTier:
         with self._lock:
             return self._delete_locked(key)
 
+    def evict_block(self, key: bytes) -> int:
+        """`delete_block` chosen by the store's eviction (counted in `evictions`). Mutates."""
+        with self._lock:
+            self._evictions += self._chunk_count.get(key, 0)
+            return self._delete_locked(key)
+
     def iter_meta(self) -> Iterator[BlockMeta]:
         with self._lock:
             return iter(list(self._metas.values()))
@@ -239,7 +250,7 @@ class MemoryTier:
         return freed
 
     def _make_room_locked(self, size: int) -> None:
-        if self._used + size <= self._capacity:
+        if not self._self_evict or self._used + size <= self._capacity:
             return
         for ref in self._policy.victims():
             if self._is_pinned(ref[0]):

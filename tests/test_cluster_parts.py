@@ -104,7 +104,7 @@ def test_full_queue_drops_and_counts_without_blocking() -> None:
     final = queue.close(drain_s=10)
     assert not queue.worker_alive
     assert final.written == results.count(True) and sorted(written) == sorted(
-        bytes([k]) * 16 for k, ok in zip((1, 2, 3, 4), results, strict=True) if ok
+        make_block(k)[0].key for k, ok in zip((1, 2, 3, 4), results, strict=True) if ok
     )
 
 
@@ -115,7 +115,7 @@ def test_close_drains_queued_writes() -> None:
         assert queue.submit(*make_block(k))
     final = queue.close(drain_s=10)
     assert not queue.worker_alive
-    assert written == [bytes([k]) * 16 for k in (5, 6, 7)]
+    assert written == [make_block(k)[0].key for k in (5, 6, 7)]
     assert (final.written, final.dropped, final.pending_blocks) == (3, 0, 0)
     assert not queue.submit(*make_block(8))  # closed: dropped, counted
     assert queue.stats().dropped == 1
@@ -135,7 +135,7 @@ def test_close_past_its_deadline_drops_what_is_left() -> None:
     closer.join(30)
     assert not closer.is_alive() and not queue.worker_alive
     final = queue.stats()
-    assert (final.written, final.dropped) == (1, 2) and written == [bytes([9]) * 16]
+    assert (final.written, final.dropped) == (1, 2) and written == [make_block(9)[0].key]
 
 
 def test_failing_writes_are_counted_not_raised() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +17,11 @@ PUBLISHED = {
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5",
+    "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
+    "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache",
 }
+# vLLM is an optional extra: its benchmark runs where it is installed, and always in CI.
+_NO_VLLM = importlib.util.find_spec("vllm") is None and os.environ.get("KVSIEVE_REQUIRE_VLLM") != "1"
 
 
 @pytest.mark.slow
@@ -25,6 +31,14 @@ PUBLISHED = {
         "transfer",
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.model,
+                pytest.mark.vllm,
+                pytest.mark.skipif(_NO_VLLM, reason="vLLM not installed"),
+            ],
+        ),
     ],
 )
 def test_benchmark_prints_its_published_keys(name: str) -> None:

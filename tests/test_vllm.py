@@ -28,10 +28,16 @@ if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM is required (KVSIEVE_REQUIRE_VLLM=1) but not installed", pytrace=False)
     pytest.skip("vLLM not installed (pip install -e '.[vllm]', see docs/vllm.md)", allow_module_level=True)
 
+import numpy as np
+from test_store import corrupt_chunk
+
 from bench.sidecar import Sidecar
 from bench.texts import token_windows
 from engine_adapter.vllm.driver import DriverProcess
 from kvstore.client import KVClient
+from kvstore.config import StoreConfig
+from kvstore.keys import block_keys, namespace_digest
+from kvstore.model import ModelSpec
 from kvstore.stats import StoreStats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -41,6 +47,7 @@ BLOCKS_PER_PROMPT = PROMPT_TOKENS // 256
 CHUNKS_PER_BLOCK = 256 // 16
 MAX_TOKENS = 12
 WARNING = "kvsieve sidecar lookup failed"
+NAMESPACE = "test-vllm"
 
 
 @dataclass
@@ -70,8 +77,19 @@ def connector_config(address: str) -> dict[str, Any]:
         "kv_connector": "KVSieveConnector",
         "kv_connector_module_path": "engine_adapter.vllm.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": address, "namespace": "test-vllm", "retry_after_s": 600},
+        "kv_connector_extra_config": {"store": address, "namespace": NAMESPACE, "retry_after_s": 600},
     }
+
+
+def model_spec(world: World, kv_dtype: str) -> ModelSpec:
+    """The spec our engine's function gives this model directory with KV in `kv_dtype`."""
+    from transformers import AutoConfig
+
+    from engine_adapter.model import spec_from_config
+
+    return spec_from_config(
+        AutoConfig.from_pretrained(world.model, local_files_only=True), world.model, kv_dtype
+    )
 
 
 def driver_options(logs: Path, name: str) -> dict[str, Any]:
@@ -121,8 +139,17 @@ def test_outputs_identical_with_and_without_connector_while_blocks_load(world: W
     assert loaded.get("blocks_written") == stored.get("blocks_written")  # nothing stored twice
 
 
+def test_fingerprint_is_our_engines_for_the_same_model_and_dtype(world: World) -> None:
+    assert any(model_spec(world, "float32").fingerprint.hex() in line for line in world.a.log_lines)
+    assert model_spec(world, "float32").fingerprint != model_spec(world, "float16").fingerprint
+
+
 def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) -> None:
     world.sidecar.kill()  # its memory tier is gone: blocks come back from LMDB
+    # A corrupt chunk in the third block of the first prompt: vLLM must recompute from there.
+    keys = block_keys(np.asarray(world.prompts[0], np.uint32), 256, model_spec(world, "float32").fingerprint,
+                      namespace_digest(NAMESPACE))  # fmt: skip
+    corrupt_chunk(StoreConfig(data_dir=world.sidecar.data_dir), keys[2], chunk_index=0)
     world.sidecar.start()
     b = world.start("b")
     try:
@@ -131,8 +158,12 @@ def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) 
         stats = world.stats()
         assert answers == world.baseline[:3]
         assert stats.get("loads") == 3
-        assert stats.get("chunk_hits.lmdb") == 3 * BLOCKS_PER_PROMPT * CHUNKS_PER_BLOCK
+        assert stats.get("checksum_failures") == 1
+        whole = 3 * BLOCKS_PER_PROMPT * CHUNKS_PER_BLOCK
+        assert whole - 2 * CHUNKS_PER_BLOCK <= stats.get("chunk_hits.lmdb") < whole
         assert stats.get("blocks_written") == 0
+        short = [line for line in b.log_lines if "kvsieve sidecar delivered 512 of 1024" in line]
+        assert len(short) == 1, short
 
         # Two processes on one sidecar: what B stores, A loads.
         fresh = world.prompts[3]

@@ -259,3 +259,28 @@ def test_worker_reports_every_block_of_a_failed_load(caplog: pytest.LogCaptureFi
     assert worker.take_failed_blocks() == set()
     assert [r.levelno for r in caplog.records].count(logging.WARNING) == 1
     client.close()
+
+
+def test_short_load_fails_the_rest_warns_and_skips_the_steps_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.config import StoreConfig
+    from kvstore.store import TieredStore
+
+    config = StoreConfig(data_dir=tmp_path / "d", block_tokens=16, chunk_tokens=8, memory_bytes=1 << 20)
+    tokens = tuple(range(1, 65))
+    with TieredStore(config) as store:
+        assert _worker(store, _cache(seed=5)).save((SaveOp("a", tokens[:16], 0, (0, 1)),)) == 1
+        worker = _worker(store, _cache(seed=6))
+        # The scheduler was promised 48 tokens; only the first block is there (evicted since, say).
+        with caplog.at_level(logging.WARNING):
+            outcome = worker.start_load((LoadOp("b", tokens[:48], 0, 48, (3, 4, 5, 6, 7, 8)),))
+        assert outcome[0].written_tokens == 16
+        assert worker.take_failed_blocks() == {5, 6, 7, 8}
+        assert any("delivered 16 of 48" in r.getMessage() for r in caplog.records)
+        # In that step, KV computed after the hole is wrong: nothing may be stored.
+        assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 0
+        assert store.lookup(tokens, model=SPEC).num_tokens == 16
+        # The next step stores again.
+        worker.start_load(())
+        assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 3

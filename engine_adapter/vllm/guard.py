@@ -25,7 +25,7 @@ class SidecarGuard:
     Args:
         retry_after_s: how long calls are skipped after a failure.
         clock: monotonic seconds (injectable for tests).
-        log: where the per-outage warning goes.
+        log: where the per-outage warning goes (public: the worker logs there too).
     """
 
     def __init__(
@@ -36,7 +36,7 @@ class SidecarGuard:
     ) -> None:
         self._retry_after_s = retry_after_s
         self._clock = clock
-        self._log = log
+        self.log = log
         self._skip_until = float("-inf")
         self._failing = False
         self.failures = 0
@@ -64,7 +64,7 @@ class SidecarGuard:
             return None
         if self._failing:
             self._failing = False
-            self._log.info("kvsieve sidecar answers again (%s succeeded)", what)
+            self.log.info("kvsieve sidecar answers again (%s succeeded)", what)
         return result
 
     def _fail(self, what: str, exc: Exception) -> None:
@@ -72,7 +72,7 @@ class SidecarGuard:
         self._skip_until = self._clock() + self._retry_after_s
         if not self._failing:
             self._failing = True
-            self._log.warning(
+            self.log.warning(
                 "kvsieve sidecar %s failed (%s: %s): vLLM computes instead of loading; "
                 "next try in %.0f s, no further warning until it answers",
                 what,

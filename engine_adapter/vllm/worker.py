@@ -61,6 +61,7 @@ class WorkerSide:
         self.guard = guard
         self.layers: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
+        self._step_failed = False
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer cache tensors; check them against the model spec.
@@ -89,15 +90,31 @@ class WorkerSide:
     def start_load(self, ops: tuple[LoadOp, ...]) -> list[LoadOutcome]:
         """Run every load of the step; failures are remembered for `take_failed_blocks`."""
         outcomes = []
+        self._step_failed = False
         for op in ops:
             written = self.guard.call("load", functools.partial(self._load, op))
             outcome = self._outcome(op, written or 0)
+            if outcome.failed_blocks and written is not None:
+                self.guard.log.warning(
+                    "kvsieve sidecar delivered %d of %d prefix tokens (a corrupt or evicted block): "
+                    "vLLM recomputes the rest",
+                    outcome.written_tokens,
+                    op.end - op.start,
+                )
             self._failed_blocks |= outcome.failed_blocks
+            self._step_failed |= bool(outcome.failed_blocks)
             outcomes.append(outcome)
         return outcomes
 
     def save(self, ops: tuple[SaveOp, ...]) -> int:
-        """Store every save of the step; the number of new blocks the sidecar wrote."""
+        """Store every save of the step; the number of new blocks the sidecar wrote.
+
+        Nothing is stored in a step where a load failed: tokens computed in it
+        attended to blocks that were never filled, so their KV is wrong (vLLM
+        recomputes them, and a later request stores the blocks).
+        """
+        if self._step_failed:
+            return 0
         new_blocks = 0
         for op in ops:
             result = self.guard.call("store", functools.partial(self._store, op))

@@ -113,14 +113,22 @@ def _converted_default(quiet: bool) -> Path:
 
 
 def _spec(model: Any, tokenizer: Any, source: Path) -> ModelSpec:
-    config = model.config
+    return spec_from_config(model.config, source, KV_DTYPE)
+
+
+def spec_from_config(config: Any, source: Path, kv_dtype: str) -> ModelSpec:
+    """The `ModelSpec` of the model in directory `source` whose HF config is `config`.
+
+    Shared with the vLLM connector, so that both engines fingerprint a model the
+    same way: KV is interchangeable only when every field, `kv_dtype` included, agrees.
+    """
     rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", None)}
     return ModelSpec(
         name=source.name,
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", config.hidden_size // config.num_attention_heads),
-        dtype=KV_DTYPE,
+        dtype=kv_dtype,
         rope=json.dumps(rope, sort_keys=True, default=str),
         weights_digest=_weights_digest(source),
         tokenizer_digest=_file_digest(source / "tokenizer.json"),

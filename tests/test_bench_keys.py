@@ -21,6 +21,8 @@ PUBLISHED = {
     "leaked_segments",
     "remote": "remote_load_mb_s redis_get_mb_s remote_vs_get store_ms_write_behind store_ms_sync "
     "ttft_speedup_remote_vs_recompute",
+    "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
+    "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache",
 }
 # A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
 # otherwise the first key, a string, says why, and none of the peer's keys is printed.
@@ -30,6 +32,8 @@ PEER_KEYS = {
         "match_us_sglang insert_us_sglang bytes_per_block_sglang radix_speedup_vs_sglang",
     ),
 }
+# "vllm" is not run here: even --quick starts vLLM four times (minutes), past CI's budget for
+# the vLLM integration; tests/test_vllm.py covers the connector, the figures are in docs/performance.md.
 
 
 @pytest.mark.slow

@@ -1,0 +1,178 @@
+"""KVSieveConnector: vLLM's KV connector API (v1) over a `kvsieve serve` sidecar.
+
+Named in vLLM's `--kv-transfer-config` as
+`{"kv_connector": "KVSieveConnector", "kv_connector_module_path":
+"engine_adapter.vllm.connector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}`
+(see docs/vllm.md). The scheduler half asks the sidecar how much of a prompt is
+cached and plans the step (`plan.RequestTracker`); the worker half moves the
+bytes (`worker.WorkerSide`). vLLM cannot hold a sparse prefix, so this path
+always loads whole blocks (budget 1.0).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from engine_adapter.vllm.fingerprint import vllm_model_spec
+from engine_adapter.vllm.guard import SidecarGuard
+from engine_adapter.vllm.plan import RequestTracker, ScheduledRequest, StepPlan
+from engine_adapter.vllm.settings import ConnectorSettings
+from engine_adapter.vllm.worker import WorkerSide
+from kvstore.client import KVClient
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# A child of vLLM's logger: its handler and format apply, and `vllm serve` shows it.
+logger = logging.getLogger("vllm.kvsieve")
+
+
+@dataclass
+class KVSieveMetadata(KVConnectorMetadata):
+    """The step plan, shipped from the scheduler process to the worker."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+class KVSieveConnector(KVConnectorBase_V1):
+    """Loads cached prefixes from a kvsieve sidecar into vLLM and stores new full blocks there."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            # A failed load must cost a recompute, never the request: that is this connector's contract.
+            logger.info("KVSieveConnector sets kv_load_failure_policy='recompute' (was %r)",
+                        transfer.kv_load_failure_policy)  # fmt: skip
+            transfer.kv_load_failure_policy = "recompute"
+        self.spec = vllm_model_spec(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.guard = SidecarGuard(self.settings.retry_after_s, log=logger)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self.client = KVClient(
+            self.settings.store,
+            token=self.settings.token,
+            use_shm="auto" if self.settings.use_shm else False,
+            timeout_s=self.settings.lookup_timeout_s if scheduler else self.settings.timeout_s,
+        )
+        s = self.settings
+        self.tracker = RequestTracker(self.block_size, s.block_tokens, loads=s.loads, saves=s.saves)
+        self.worker = WorkerSide(self.client, self.spec, s.namespace, self.block_size, self.guard)
+        logger.info("KVSieveConnector (%s) on %s, namespace %r, mode %s, model %s (%s), fingerprint %s",
+                    role.name, s.store, s.namespace, s.mode, self.spec.name, self.spec.dtype,
+                    self.spec.fingerprint.hex())  # fmt: skip
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is a future cache miss, never lost data."""
+        return False
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's own hit that the sidecar holds, in whole vLLM blocks (one lookup/request)."""
+        req_id = request.request_id
+        if not self.tracker.known(req_id):
+            prompt = list(request.prompt_token_ids or [])
+            hit = None
+            if len(prompt) > 1:
+                # The last prompt token is always computed: its logits start the answer.
+                hit = self.guard.call("lookup", lambda: self._lookup(prompt[:-1]))
+            self.tracker.on_lookup(req_id, prompt, hit)
+        return self.tracker.loadable_tokens(req_id, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Remember a load that vLLM made room for."""
+        self.tracker.on_alloc(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The step's loads and saves for the worker."""
+        return KVSieveMetadata(self.tracker.plan(scheduled_requests(scheduler_output)))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; saves already ran, so vLLM may free its blocks now."""
+        self.tracker.forget(request.request_id)
+        return False, None
+
+    def _lookup(self, tokens: list[int]) -> int:
+        result = self.client.lookup(tokens, model=self.spec, namespace=self.settings.namespace)
+        return int(result.num_tokens)
+
+    # -- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep vLLM's per-layer cache tensors (checked against the model spec)."""
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Load this step's prefixes into the paged cache before the forward pass."""
+        self.worker.start_load(self._plan().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: `start_load_kv` completed every layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: `wait_for_save` stores all layers after the forward pass."""
+
+    def wait_for_save(self) -> None:
+        """Store the new full blocks of prompts whose prefill finished in this step."""
+        if self.has_connector_metadata():
+            self.worker.save(self._plan().saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM blocks whose load failed: vLLM recomputes them."""
+        return self.worker.take_failed_blocks()
+
+    def shutdown(self) -> None:
+        """Close the sidecar channel."""
+        self.client.close()
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVSieveMetadata)
+        return metadata.plan
+
+
+def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
+    """The step's requests with their block-table changes, from vLLM's scheduler output."""
+    scheduled = output.num_scheduled_tokens
+    items = [
+        ScheduledRequest(new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0),
+                         tuple(new.block_ids[0]), replace=True)
+        for new in output.scheduled_new_reqs
+    ]  # fmt: skip
+    cached = output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        new_blocks = cached.new_block_ids[i]
+        items.append(
+            ScheduledRequest(
+                req_id,
+                cached.num_computed_tokens[i],
+                scheduled.get(req_id, 0),
+                tuple(new_blocks[0]) if new_blocks is not None else (),
+                replace=req_id in cached.resumed_req_ids,
+            )
+        )
+    return items

@@ -1,0 +1,191 @@
+"""A vLLM process that answers prompts sent on stdin: one start, many requests.
+
+Used by the integration tests and `kvsieve bench vllm`, which need several
+vLLM processes (restarts, two instances) and cannot afford a vLLM start per
+question. Run as `python -m engine_adapter.vllm.driver --model DIR [--kv-transfer-config JSON]`;
+each stdin line is a JSON request `{"prompts": [[token ids], ...], "max_tokens": N}`;
+each answer is one stdout line `KVSIEVE_DRIVER {"outputs": [[token ids], ...], "elapsed_s": S}`
+(vLLM's own logs share stdout, hence the marker). Greedy decoding throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+MARKER = "KVSIEVE_DRIVER "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments of the driver."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="local model directory")
+    p.add_argument("--kv-transfer-config", default="", help="vLLM KVTransferConfig as JSON (empty: none)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prefix-caching", action="store_true", help="enable vLLM's own prefix cache")
+    p.add_argument("--eager", action="store_true", help="no torch.compile: starts in seconds, runs slower")
+    p.add_argument("--dtype", default="auto", help="model dtype (auto: bfloat16 on CPU)")
+    return p.parse_args(argv)
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    """The `vllm.LLM` the arguments describe."""
+    from vllm import LLM
+
+    extra: dict[str, Any] = {}
+    if args.kv_transfer_config:
+        from vllm.config import KVTransferConfig
+
+        extra["kv_transfer_config"] = KVTransferConfig(**json.loads(args.kv_transfer_config))
+    return LLM(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        enforce_eager=args.eager,
+        dtype=args.dtype,
+        **extra,
+    )
+
+
+def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """Greedy completions of the request's prompts, and the wall time of the call."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=int(request.get("max_tokens", 16)))
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return {"outputs": [list(r.outputs[0].token_ids) for r in results], "elapsed_s": elapsed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start vLLM, say "ready", then answer stdin lines until EOF."""
+    llm = build_llm(parse_args(argv))
+    print(MARKER + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(MARKER + json.dumps(answer(llm, json.loads(line))), flush=True)
+    return 0
+
+
+class DriverProcess:
+    """The parent's handle on a driver process: start it, ask it, stop it.
+
+    vLLM's log lines are kept (`log_lines`) so that callers can check what the
+    connector logged. Start blocks until vLLM is ready (the first start compiles:
+    minutes; later ones read ~/.cache/vllm).
+
+    Args:
+        model: local model directory.
+        kv_transfer_config: vLLM's KVTransferConfig as a dict; None runs vLLM without a connector.
+        prefix_caching: enable vLLM's own prefix cache.
+        eager: skip torch.compile (a start takes seconds instead of minutes; compute is slower).
+        dtype: the model dtype ("auto", "float32", ...).
+        env: extra environment (VLLM_CPU_KVCACHE_SPACE defaults to 1 GiB).
+        log_path: also append vLLM's output to this file.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        *,
+        prefix_caching: bool = False,
+        eager: bool = False,
+        dtype: str = "auto",
+        max_model_len: int = 4096,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        cmd = [sys.executable, "-m", "engine_adapter.vllm.driver", "--model", str(model)]
+        cmd += ["--max-model-len", str(max_model_len)]
+        if kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
+        if eager:
+            cmd.append("--eager")
+        cmd += ["--dtype", dtype]
+        full_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
+        self.log_lines: list[str] = []
+        self._log = open(log_path, "a") if log_path is not None else None  # noqa: SIM115 (closed in stop)
+        self._replies: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+        )
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout_s: float = 900) -> None:
+        """Block until vLLM has started (raises RuntimeError with its last log lines if it died)."""
+        self._next_reply(timeout_s)
+
+    def ask(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 16, timeout_s: float = 600
+    ) -> dict[str, Any]:
+        """Greedy completions of `prompts` (token ids): {"outputs": [...], "elapsed_s": ...}."""
+        assert self.proc.stdin is not None
+        request = {"prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._next_reply(timeout_s)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """Close stdin and wait for vLLM to exit (killed past the timeout); the exit code."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(30)
+        self._reader.join(30)
+        if self._log is not None:
+            self._log.close()
+        return code
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            if line.startswith(MARKER):
+                with self._cond:
+                    self._replies.append(json.loads(line[len(MARKER) :]))
+                    self._cond.notify_all()
+                continue
+            self.log_lines.append(line.rstrip("\n"))
+            if self._log is not None:
+                self._log.write(line)
+                self._log.flush()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _next_reply(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._replies:
+                if not self._reader.is_alive():
+                    tail = "\n".join(self.log_lines[-30:])
+                    raise RuntimeError(f"vLLM driver exited ({self.proc.poll()}):\n{tail}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"vLLM driver gave no answer in {timeout_s:.0f} s")
+                self._cond.wait(min(left, 1.0))
+            return self._replies.pop(0)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard keeps the child from re-running this
+    sys.exit(main())

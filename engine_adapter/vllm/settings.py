@@ -1,0 +1,88 @@
+"""Settings of the vLLM connector, read from `kv_connector_extra_config`.
+
+Kept free of vLLM imports so that the settings (and their errors) can be tested
+and documented without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.errors import InvalidInputError
+from kvstore.keys import validate_namespace
+
+MODES = ("load", "save", "both")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """How the connector reaches the sidecar and what it does there.
+
+    Attributes:
+        store: "HOST:PORT" or "unix:PATH" of a running `kvsieve serve`.
+        token: bearer token, if the sidecar requires one.
+        namespace: tenant whose blocks are read and written.
+        mode: "load" (read only), "save" (write only) or "both".
+        timeout_s: deadline of one load or store; past it vLLM recomputes (or skips the save).
+        lookup_timeout_s: deadline of one lookup (the scheduler waits for it: keep it short).
+        retry_after_s: after a failure, calls are skipped (vLLM computes) for this long,
+            so a dead sidecar costs one deadline per outage, not one per request.
+        block_tokens: the sidecar's block size; only whole blocks are sent to it.
+        use_shm: shared memory for loads when the sidecar is on this host.
+    """
+
+    store: str = "127.0.0.1:50051"
+    token: str | None = None
+    namespace: str = "default"
+    mode: str = "both"
+    timeout_s: float = 10.0
+    lookup_timeout_s: float = 1.0
+    retry_after_s: float = 30.0
+    block_tokens: int = 256
+    use_shm: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not (self.store.startswith("unix:") or ":" in self.store):
+            raise InvalidInputError(f"kvsieve store must be HOST:PORT or unix:PATH, got {self.store!r}")
+        validate_namespace(self.namespace)
+        if self.mode not in MODES:
+            raise InvalidInputError(f"kvsieve mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("timeout_s", "lookup_timeout_s", "retry_after_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value <= 3600:
+                raise InvalidInputError(
+                    f"kvsieve {name} must be a number of seconds in (0, 3600], got {value!r}"
+                )
+        if not isinstance(self.block_tokens, int) or not 1 <= self.block_tokens <= 65536:
+            raise InvalidInputError(
+                f"kvsieve block_tokens must be an int in [1, 65536], got {self.block_tokens!r}"
+            )
+
+    @property
+    def loads(self) -> bool:
+        """Whether prefixes are read from the sidecar."""
+        return self.mode in ("load", "both")
+
+    @property
+    def saves(self) -> bool:
+        """Whether new full blocks are written to the sidecar."""
+        return self.mode in ("save", "both")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Settings from vLLM's `kv_connector_extra_config` (unknown keys are refused).
+
+        Raises:
+            InvalidInputError: an unknown key or a bad value, named in the message.
+        """
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InvalidInputError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for KVSieveConnector; "
+                f"known: {sorted(known)}"
+            )
+        return cls(**extra)

@@ -1,0 +1,202 @@
+"""KVSieveConnector inside the real vLLM (CPU build), SmolLM2, and a real `kvsieve serve`.
+
+No mocks: vLLM runs in driver processes (engine_adapter/vllm/driver.py) started
+once per module and shared by the tests, which run in order: a baseline vLLM
+without the connector answers every prompt first; process A (with the
+connector) answers them twice; the sidecar restarts (memory dropped) and a new
+process B answers from its disk; A and B share blocks; the sidecar stops and A
+still answers. vLLM runs in float32 and without torch.compile: float32 so that
+greedy answers cannot flip on a near-tie between two summation orders (bfloat16
+does flip, with vLLM's own prefix cache too), eager so a start takes seconds.
+
+Skipped when vLLM is not installed, unless KVSIEVE_REQUIRE_VLLM=1 (.ci/run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
+        pytest.fail("vLLM is required (KVSIEVE_REQUIRE_VLLM=1) but not installed", pytrace=False)
+    pytest.skip("vLLM not installed (pip install -e '.[vllm]', see docs/vllm.md)", allow_module_level=True)
+
+import numpy as np
+
+from bench.sidecar import Sidecar
+from bench.texts import token_windows
+from engine_adapter.vllm.driver import DriverProcess
+from kvstore.client import KVClient
+from kvstore.config import StoreConfig
+from kvstore.keys import block_keys, namespace_digest
+from kvstore.model import ModelSpec
+from kvstore.stats import StoreStats
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+PROMPT_TOKENS = 1100  # 4 whole kvsieve blocks of 256 and a tail vLLM computes
+BLOCKS_PER_PROMPT = PROMPT_TOKENS // 256
+CHUNKS_PER_BLOCK = 256 // 16
+MAX_TOKENS = 12
+WARNING = "kvsieve sidecar lookup failed"
+NAMESPACE = "test-vllm"
+
+
+@dataclass
+class World:
+    """What the tests share: the model, prompts, the sidecar, process A and the baseline answers."""
+
+    model: Path
+    prompts: list[list[int]]
+    baseline: list[list[int]]
+    sidecar: Sidecar
+    a: DriverProcess
+    logs: Path
+
+    def stats(self) -> StoreStats:
+        with KVClient(self.sidecar.address) as client:
+            return client.stats()
+
+    def start(self, name: str) -> DriverProcess:
+        return DriverProcess(
+            self.model, connector_config(self.sidecar.address), **driver_options(self.logs, name)
+        )
+
+
+def connector_config(address: str) -> dict[str, Any]:
+    """The --kv-transfer-config of docs/vllm.md, pointed at `address`."""
+    return {
+        "kv_connector": "KVSieveConnector",
+        "kv_connector_module_path": "engine_adapter.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": address, "namespace": NAMESPACE, "retry_after_s": 600},
+    }
+
+
+def model_spec(world: World, kv_dtype: str) -> ModelSpec:
+    """The spec our engine's function gives this model directory with KV in `kv_dtype`."""
+    from transformers import AutoConfig
+
+    from engine_adapter.model import spec_from_config
+
+    return spec_from_config(
+        AutoConfig.from_pretrained(world.model, local_files_only=True), world.model, kv_dtype
+    )
+
+
+def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int) -> None:
+    """Flip one payload byte of a stored chunk in place, with LMDB itself (the sidecar is down)."""
+    import lmdb
+
+    from kvstore.tiers.base import chunk_key
+
+    env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)  # the file is larger than the default
+    db = env.open_db(b"chunks")
+    with env.begin(write=True, db=db) as txn:
+        key = chunk_key(block_key, 0, chunk_index)
+        data = bytearray(txn.get(key))
+        data[len(data) // 2] ^= 0x01
+        txn.put(key, bytes(data))
+    env.close()
+
+
+def driver_options(logs: Path, name: str) -> dict[str, Any]:
+    return {"eager": True, "dtype": "float32", "max_model_len": 2048, "log_path": logs / f"{name}.log"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    from engine_adapter.model import load_model
+
+    lm = load_model(quiet=True)
+    model, tokenizer = lm.source, lm.tokenizer
+    del lm
+    prompts = [ids for _, ids in token_windows(tokenizer, PROMPT_TOKENS, 5)]
+    assert len(prompts) == 5 and all(len(p) == PROMPT_TOKENS for p in prompts)
+    tmp = tmp_path_factory.mktemp("vllm")
+    sidecar = Sidecar(tmp / "data", args=["--block-tokens", "256", "--chunk-tokens", "16"]).start()
+    # Both starts overlap: the baseline (no connector) and process A (connector).
+    baseline_proc = DriverProcess(model, None, **driver_options(tmp, "baseline"))
+    a = DriverProcess(model, connector_config(sidecar.address), **driver_options(tmp, "a"))
+    try:
+        baseline_proc.wait_ready()
+        baseline = baseline_proc.ask(prompts, MAX_TOKENS)["outputs"]
+        assert baseline_proc.stop() == 0
+        a.wait_ready()
+        yield World(model, prompts, baseline, sidecar, a, tmp)
+    finally:
+        baseline_proc.stop(timeout_s=10)
+        a.stop()
+        sidecar.kill()
+
+
+def test_outputs_identical_with_and_without_connector_while_blocks_load(world: World) -> None:
+    prompts = world.prompts[:3]
+    first = world.a.ask(prompts, MAX_TOKENS)["outputs"]  # nothing cached yet: computed and stored
+    stored = world.stats()
+    assert stored.get("blocks_written") == 3 * BLOCKS_PER_PROMPT
+    second = world.a.ask(prompts, MAX_TOKENS)["outputs"]  # loaded from the sidecar
+    loaded = world.stats()
+    assert first == world.baseline[:3]
+    assert second == world.baseline[:3]
+    assert loaded.get("loads") - stored.get("loads") == 3
+    assert (
+        loaded.get("chunk_hits.memory") - stored.get("chunk_hits.memory")
+        == 3 * BLOCKS_PER_PROMPT * CHUNKS_PER_BLOCK
+    )
+    assert loaded.get("blocks_written") == stored.get("blocks_written")  # nothing stored twice
+
+
+def test_fingerprint_is_our_engines_for_the_same_model_and_dtype(world: World) -> None:
+    assert any(model_spec(world, "float32").fingerprint.hex() in line for line in world.a.log_lines)
+    assert model_spec(world, "float32").fingerprint != model_spec(world, "float16").fingerprint
+
+
+def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) -> None:
+    world.sidecar.kill()  # its memory tier is gone: blocks come back from LMDB
+    # A corrupt chunk in the third block of the first prompt: vLLM must recompute from there.
+    keys = block_keys(np.asarray(world.prompts[0], np.uint32), 256, model_spec(world, "float32").fingerprint,
+                      namespace_digest(NAMESPACE))  # fmt: skip
+    corrupt_chunk(StoreConfig(data_dir=world.sidecar.data_dir), keys[2], chunk_index=0)
+    world.sidecar.start()
+    b = world.start("b")
+    try:
+        b.wait_ready()
+        answers = b.ask(world.prompts[:3], MAX_TOKENS)["outputs"]
+        stats = world.stats()
+        assert answers == world.baseline[:3]
+        assert stats.get("loads") == 3
+        assert stats.get("checksum_failures") == 1
+        whole = 3 * BLOCKS_PER_PROMPT * CHUNKS_PER_BLOCK
+        assert whole - 2 * CHUNKS_PER_BLOCK <= stats.get("chunk_hits.lmdb") < whole
+        assert stats.get("blocks_written") == 0
+        short = [line for line in b.log_lines if "kvsieve sidecar delivered 512 of 1024" in line]
+        assert len(short) == 1, short
+
+        # Two processes on one sidecar: what B stores, A loads.
+        fresh = world.prompts[3]
+        assert b.ask([fresh], MAX_TOKENS)["outputs"] == [world.baseline[3]]
+        assert world.stats().get("blocks_written") == BLOCKS_PER_PROMPT
+        before = world.stats().get("loads")
+        assert world.a.ask([fresh], MAX_TOKENS)["outputs"] == [world.baseline[3]]
+        assert world.stats().get("loads") == before + 1
+        assert world.stats().get("blocks_written") == BLOCKS_PER_PROMPT
+    finally:
+        assert b.stop() == 0
+
+
+def test_sidecar_stopped_vllm_still_answers_and_warns_once(world: World) -> None:
+    assert not [line for line in world.a.log_lines if WARNING in line]
+    world.sidecar.kill()
+    assert world.a.ask([world.prompts[4]], MAX_TOKENS)["outputs"] == [world.baseline[4]]
+    assert world.a.ask(world.prompts[:2], MAX_TOKENS)["outputs"] == world.baseline[:2]
+    warnings = [line for line in world.a.log_lines if "kvsieve sidecar" in line and "failed" in line]
+    assert len(warnings) == 1, warnings
+    assert WARNING in warnings[0]

@@ -1,0 +1,286 @@
+"""The vLLM connector's parts that need no vLLM: settings, the step planner, layout, the guard.
+
+The layout tests build a cache in the CPU backend's exact layout and check the
+round trip against a per-token reference written with plain loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_adapter.vllm import layout
+from engine_adapter.vllm.guard import SidecarGuard
+from engine_adapter.vllm.plan import LoadOp, RequestTracker, SaveOp, ScheduledRequest
+from engine_adapter.vllm.settings import ConnectorSettings
+from engine_adapter.vllm.worker import WorkerSide, layer_order
+from kvstore.errors import InvalidInputError
+from kvstore.model import ModelSpec
+
+# -- settings ----------------------------------------------------------------------
+
+
+def test_settings_from_extra_config() -> None:
+    s = ConnectorSettings.from_extra_config({"store": "127.0.0.1:7000", "namespace": "t1", "mode": "load"})
+    assert (s.store, s.namespace, s.loads, s.saves) == ("127.0.0.1:7000", "t1", True, False)
+    assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"mode": "sometimes"}, "mode"),
+        ({"store": "nohostport"}, "store"),
+        ({"namespace": ""}, "namespace"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"block_tokens": 0}, "block_tokens"),
+        ({"adress": "x:1"}, "adress"),
+    ],
+)
+def test_settings_refuse_bad_values_naming_the_field(extra: dict[str, object], named: str) -> None:
+    with pytest.raises(InvalidInputError, match=named):
+        ConnectorSettings.from_extra_config(extra)
+
+
+# -- planner -----------------------------------------------------------------------
+
+
+def _tracker(loads: bool = True, saves: bool = True) -> RequestTracker:
+    return RequestTracker(vllm_block_size=32, kvsieve_block_tokens=256, loads=loads, saves=saves)
+
+
+def test_hit_is_cut_to_vllm_blocks_and_load_planned_after_alloc() -> None:
+    t = _tracker()
+    prompt = list(range(1000))
+    t.on_lookup("r", prompt, 768)
+    assert t.loadable_tokens("r", 0) == 768
+    assert t.loadable_tokens("r", 64) == 704  # vLLM's own cache holds the first two blocks
+    t.on_alloc("r", 704)
+    blocks = tuple(range(100, 132))
+    plan = t.plan([ScheduledRequest("r", 768, 232, blocks, replace=True)])
+    assert plan.loads == (LoadOp("r", tuple(prompt[:768]), 64, 768, blocks[:24]),)
+    # The prompt is done this step: its 3 whole kvsieve blocks minus the 3 held -> nothing to save.
+    assert plan.saves == ()
+
+
+def test_hit_not_on_a_vllm_block_boundary_is_rounded_down() -> None:
+    t = RequestTracker(vllm_block_size=96, kvsieve_block_tokens=256, loads=True, saves=True)
+    t.on_lookup("r", list(range(600)), 512)
+    assert t.loadable_tokens("r", 0) == 480
+
+
+def test_save_after_chunked_prefill_with_growing_block_table() -> None:
+    t = _tracker()
+    prompt = list(range(600))
+    t.on_lookup("r", prompt, 0)
+    first = t.plan([ScheduledRequest("r", 0, 320, tuple(range(10)), replace=True)])
+    assert first.saves == ()  # prompt not finished: nothing stored yet
+    second = t.plan([ScheduledRequest("r", 320, 280, tuple(range(10, 19)), replace=False)])
+    assert second.saves == (SaveOp("r", tuple(prompt[:512]), 0, tuple(range(16))),)
+    third = t.plan([ScheduledRequest("r", 600, 1, (), replace=False)])
+    assert third.saves == ()  # saved once
+
+
+def test_save_sends_only_blocks_the_sidecar_lacks() -> None:
+    t = _tracker()
+    prompt = list(range(800))
+    t.on_lookup("r", prompt, 256)
+    plan = t.plan([ScheduledRequest("r", 256, 544, tuple(range(25)), replace=True)])
+    assert plan.saves == (SaveOp("r", tuple(prompt[:768]), 256, tuple(range(24))),)
+
+
+def test_no_save_when_lookup_failed_and_no_load_in_save_mode() -> None:
+    down = _tracker()
+    down.on_lookup("r", list(range(600)), None)
+    assert down.loadable_tokens("r", 0) == 0
+    assert down.plan([ScheduledRequest("r", 0, 600, tuple(range(19)), replace=True)]).saves == ()
+    save_only = _tracker(loads=False)
+    save_only.on_lookup("r", list(range(600)), 512)
+    assert save_only.loadable_tokens("r", 0) == 0
+
+
+def test_forget_drops_state() -> None:
+    t = _tracker()
+    t.on_lookup("r", list(range(600)), 512)
+    t.on_alloc("r", 512)
+    t.forget("r")
+    assert not t.known("r")
+    assert t.plan([ScheduledRequest("r", 0, 600, (1, 2), replace=True)]).loads == ()
+
+
+# -- layout ------------------------------------------------------------------------
+
+SPEC = ModelSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16")
+BLOCK = 8
+
+
+def _cache(num_blocks: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, SPEC.num_kv_heads, BLOCK, 2 * SPEC.head_dim)
+    return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(SPEC.num_layers)]
+
+
+def _reference_token(layer: torch.Tensor, block: int, offset: int) -> torch.Tensor:
+    """(2, heads, dim) of one token, read the way the CPU kernel reads a tile: K rows, then V rows."""
+    tile = layer[block].reshape(SPEC.num_kv_heads, 2 * BLOCK, SPEC.head_dim)
+    return torch.stack([tile[:, offset], tile[:, BLOCK + offset]])
+
+
+def test_gather_matches_the_kernels_tile_layout() -> None:
+    layers = _cache()
+    table = [7, 2, 9]
+    positions = np.array([0, 5, 8, 15, 16, 23])
+    kv = layout.gather(layers, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
+    assert kv.shape == SPEC.kv_shape(len(positions))
+    for i, p in enumerate(positions):
+        for li, layer in enumerate(layers):
+            assert torch.equal(kv[li, :, :, i], _reference_token(layer, table[p // BLOCK], p % BLOCK))
+
+
+def test_scatter_round_trip_in_any_token_order_touches_nothing_else() -> None:
+    source, target = _cache(seed=1), _cache(seed=2)
+    before = [t.clone() for t in target]
+    src_table, dst_table = [0, 1, 2], [5, 3, 11]
+    positions = np.random.default_rng(0).permutation(np.arange(4, 20))  # importance order, say
+    kv = layout.gather(source, layout.slots_of(positions, src_table, BLOCK), SPEC.head_dim)
+    layout.scatter(target, kv, layout.slots_of(positions, dst_table, BLOCK), SPEC.head_dim)
+    back = layout.gather(target, layout.slots_of(positions, dst_table, BLOCK), SPEC.head_dim)
+    assert torch.equal(back, kv)
+    written = {(dst_table[p // BLOCK], p % BLOCK) for p in positions}
+    for layer, old in zip(target, before, strict=True):
+        for block in range(layer.shape[0]):
+            for offset in range(BLOCK):
+                if (block, offset) not in written:
+                    assert torch.equal(
+                        _reference_token(layer, block, offset), _reference_token(old, block, offset)
+                    )
+
+
+def test_numpy_bfloat16_round_trip_shares_memory() -> None:
+    kv = layout.gather(_cache(), layout.slots_of(np.arange(8), [1], BLOCK), SPEC.head_dim)
+    arr = layout.to_numpy(kv)
+    assert arr.dtype == SPEC.np_dtype and arr.shape == SPEC.kv_shape(8)
+    back = layout.from_numpy(arr)
+    assert torch.equal(back, kv)
+    assert np.shares_memory(layout.to_numpy(back), arr)
+
+
+def test_layout_refuses_wrong_shapes_and_dtypes() -> None:
+    with pytest.raises(InvalidInputError, match="2\\*head_dim"):
+        layout.paged_view(torch.zeros(2, 2, 8, 6), SPEC.head_dim)
+    with pytest.raises(InvalidInputError, match="past the request"):
+        layout.slots_of([16], [0, 1], BLOCK)
+    with pytest.raises(InvalidInputError, match="dtype"):
+        layout.dtype_name(torch.float8_e4m3fn)
+
+
+def test_layer_order_is_numeric() -> None:
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]
+    assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
+
+
+# -- guard -------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_guard_warns_once_per_outage_and_skips_until_retry(caplog: pytest.LogCaptureFixture) -> None:
+    clock = _Clock()
+    guard = SidecarGuard(retry_after_s=30, clock=clock, log=logging.getLogger("test.guard"))
+    calls: list[int] = []
+
+    def down() -> int:
+        calls.append(1)
+        raise ConnectionError("sidecar gone")
+
+    with caplog.at_level(logging.INFO, logger="test.guard"):
+        assert guard.call("lookup", down) is None
+        assert guard.call("lookup", down) is None  # skipped: breaker open
+        clock.now = 31
+        assert guard.call("load", down) is None  # tried again, still down: no second warning
+        clock.now = 62
+        assert guard.call("lookup", lambda: 7) == 7
+    assert len(calls) == 2 and guard.skipped == 1 and guard.failures == 2
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "sidecar gone" in warnings[0].getMessage()
+    assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+# -- worker side against a real embedded store (no vLLM) ------------------------------
+
+
+def _worker(store: object, layers: list[torch.Tensor]) -> WorkerSide:
+    # TieredStore and KVClient share method names and signatures: the worker takes either.
+    worker = WorkerSide(store, SPEC, "default", BLOCK, SidecarGuard(30))
+    worker.register({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)})
+    return worker
+
+
+def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
+    from kvstore.config import StoreConfig
+    from kvstore.store import TieredStore
+
+    config = StoreConfig(data_dir=tmp_path / "d", block_tokens=16, chunk_tokens=8, memory_bytes=1 << 20)
+    tokens = tuple(range(1, 41))
+    with TieredStore(config) as store:
+        source = _worker(store, _cache(seed=3))
+        assert source.save((SaveOp("a", tokens[:32], 0, (4, 6, 1, 0)),)) == 2
+        target = _worker(store, _cache(seed=4))
+        outcome = target.start_load((LoadOp("b", tokens[:32], 8, 32, (9, 8, 7, 10)),))
+        assert outcome[0].written_tokens == 24 and not outcome[0].failed_blocks
+        got = layout.gather(target.layers, layout.slots_of(np.arange(8, 32), (9, 8, 7, 10), BLOCK), 4)
+        want = layout.gather(source.layers, layout.slots_of(np.arange(8, 32), (4, 6, 1, 0), BLOCK), 4)
+        assert torch.equal(got, want)
+        assert target.take_failed_blocks() == set()
+
+
+def test_worker_reports_every_block_of_a_failed_load(caplog: pytest.LogCaptureFixture) -> None:
+    from conftest import free_port
+
+    from kvstore.client import KVClient
+
+    client = KVClient(f"127.0.0.1:{free_port()}", timeout_s=2)  # nothing listens there
+    worker = _worker(client, _cache())
+    before = [t.clone() for t in worker.layers]
+    with caplog.at_level(logging.WARNING):
+        worker.start_load((LoadOp("b", tuple(range(32)), 8, 32, (9, 8, 7, 10)),))
+    assert worker.take_failed_blocks() == {8, 7, 10}  # block 9 held vLLM's own tokens 0..7
+    assert all(torch.equal(a, b) for a, b in zip(worker.layers, before, strict=True))
+    assert worker.take_failed_blocks() == set()
+    assert [r.levelno for r in caplog.records].count(logging.WARNING) == 1
+    client.close()
+
+
+def test_short_load_fails_the_rest_warns_and_skips_the_steps_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.config import StoreConfig
+    from kvstore.store import TieredStore
+
+    config = StoreConfig(data_dir=tmp_path / "d", block_tokens=16, chunk_tokens=8, memory_bytes=1 << 20)
+    tokens = tuple(range(1, 65))
+    with TieredStore(config) as store:
+        assert _worker(store, _cache(seed=5)).save((SaveOp("a", tokens[:16], 0, (0, 1)),)) == 1
+        worker = _worker(store, _cache(seed=6))
+        # The scheduler was promised 48 tokens; only the first block is there (evicted since, say).
+        with caplog.at_level(logging.WARNING):
+            outcome = worker.start_load((LoadOp("b", tokens[:48], 0, 48, (3, 4, 5, 6, 7, 8)),))
+        assert outcome[0].written_tokens == 16
+        assert worker.take_failed_blocks() == {5, 6, 7, 8}
+        assert any("delivered 16 of 48" in r.getMessage() for r in caplog.records)
+        # In that step, KV computed after the hole is wrong: nothing may be stored.
+        assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 0
+        assert store.lookup(tokens, model=SPEC).num_tokens == 16
+        # The next step stores again.
+        worker.start_load(())
+        assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 3

@@ -284,3 +284,25 @@ def test_short_load_fails_the_rest_warns_and_skips_the_steps_saves(
         # The next step stores again.
         worker.start_load(())
         assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 3
+
+
+@pytest.mark.parametrize(
+    ("line", "rest"),
+    [
+        ('KVSIEVE_DRIVER {"elapsed_s": 0.5}\n', "\n"),
+        # Another process's log line landed between the reply and its newline (seen in a bench run).
+        ('KVSIEVE_DRIVER {"elapsed_s": 0.5}(Worker pid=7) WARNING x\n', "(Worker pid=7) WARNING x\n"),
+        # ... or before it, on the same line.
+        ('(Worker pid=7) WARN KVSIEVE_DRIVER {"elapsed_s": 0.5}\n', "(Worker pid=7) WARN \n"),
+    ],
+)
+def test_driver_replies_survive_log_lines_of_other_processes(line: str, rest: str) -> None:
+    from engine_adapter.vllm.driver import _split_reply
+
+    assert _split_reply(line) == ({"elapsed_s": 0.5}, rest)
+
+
+def test_driver_lines_without_a_reply_are_log_text() -> None:
+    from engine_adapter.vllm.driver import _split_reply
+
+    assert _split_reply("INFO starting\n") == (None, "INFO starting\n")

@@ -70,10 +70,10 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Start vLLM, say "ready", then answer stdin lines until EOF."""
     llm = build_llm(parse_args(argv))
-    print(MARKER + json.dumps({"ready": True}), flush=True)
+    _say({"ready": True})
     for line in sys.stdin:
         if line.strip():
-            print(MARKER + json.dumps(answer(llm, json.loads(line))), flush=True)
+            _say(answer(llm, json.loads(line)))
     return 0
 
 
@@ -160,12 +160,14 @@ class DriverProcess:
         return code
 
     def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            if line.startswith(MARKER):
+        for raw in stream:
+            reply, line = _split_reply(raw)
+            if reply is not None:
                 with self._cond:
-                    self._replies.append(json.loads(line[len(MARKER) :]))
+                    self._replies.append(reply)
                     self._cond.notify_all()
-                continue
+                if not line.strip():
+                    continue
             self.log_lines.append(line.rstrip("\n"))
             if self._log is not None:
                 self._log.write(line)
@@ -185,6 +187,22 @@ class DriverProcess:
                     raise TimeoutError(f"vLLM driver gave no answer in {timeout_s:.0f} s")
                 self._cond.wait(min(left, 1.0))
             return self._replies.pop(0)
+
+
+def _say(message: dict[str, Any]) -> None:
+    """One reply line in ONE write: vLLM's worker processes log to the same pipe, and a
+    line written in two parts (text, then newline) can get their output in between."""
+    sys.stdout.write(f"{MARKER}{json.dumps(message)}\n")
+    sys.stdout.flush()
+
+
+def _split_reply(line: str) -> tuple[dict[str, Any] | None, str]:
+    """(the reply on `line`, if any; the rest of the line, log text from other processes)."""
+    start = line.find(MARKER)
+    if start < 0:
+        return None, line
+    reply, end = json.JSONDecoder().raw_decode(line, start + len(MARKER))
+    return reply, line[:start] + line[end:]
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard keeps the child from re-running this

@@ -81,7 +81,7 @@ class TieredStore:
             is_pinned=self.tree.is_pinned,
             pin_host_memory=self.config.pin_host_memory,
             # Only a cache of a durable tier may drop chunks the tree still lists.
-            self_evict=self.config.lmdb_dir is not None or self.config.remote_url is not None,
+            self_evict=self.config.lmdb_dir is not None or self.config.has_remote,
         )
         self.durable: list[Tier] = []
         self._lock = None
@@ -93,6 +93,8 @@ class TieredStore:
             self.durable.append(
                 create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
             )
+        # The durable tiers on this machine: local pressure frees these, never the shared tier.
+        self.local_durable: list[Tier] = list(self.durable)
         self.counters = Counters()
         self.remote_link = self._open_remote()
         if self.remote_link is not None:
@@ -328,7 +330,7 @@ class TieredStore:
         if not blocks:
             return 0
         needed = sum(meta.nbytes for meta, _ in blocks)
-        local = self._local_durable()
+        local = self.local_durable
         for tier in local:
             self._put_durable(tier, blocks, needed)
             self.counters.add(f"bytes_written.{tier.name}", needed)
@@ -391,7 +393,7 @@ class TieredStore:
         # Local pressure frees local tiers only: the shared tier holds blocks other
         # sidecars use, and bounds itself (maxmemory eviction).
         for node in self.tree.evict(num_bytes):
-            for tier in [self.memory, *self._local_durable()]:
+            for tier in [self.memory, *self.local_durable]:
                 tier.delete_block(node.key)
             self.counters.add("evictions.disk")
 
@@ -507,11 +509,6 @@ class TieredStore:
 
     def _remote(self) -> RedisTier | None:
         return None if self.remote_link is None else self.remote_link.tier
-
-    def _local_durable(self) -> list[Tier]:
-        """The durable tiers on this machine (LMDB), without the shared remote tier."""
-        remote = self._remote()
-        return [t for t in self.durable if t is not remote]
 
     def _open_remote(self) -> RemoteLink | None:
         if not self.config.has_remote:

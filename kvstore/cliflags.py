@@ -3,15 +3,26 @@
 Each field becomes `--field-name`; its help is the field's line under
 "Attributes:" in the class docstring. Unset flags stay None so that TOML files and
 environment variables underneath still apply (see kvstore.settings).
+
+Also the small vocabulary that command plugins use to add their commands to
+`kvsieve` (`add_command`, `DeferredParser`; see kvstore.cli).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import os
 import re
 import typing
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias, TypeVar
+
+from kvstore.errors import InvalidInputError
+from kvstore.settings import ENV_PREFIX, convert
+
+T = TypeVar("T")
 
 
 def field_docs(cls: type[Any]) -> dict[str, str]:
@@ -54,3 +65,104 @@ def overrides(args: argparse.Namespace, cls: type[Any]) -> dict[str, Any]:
         for f in dataclasses.fields(cls)
         if getattr(args, f.name, None) is not None
     }
+
+
+def parameter_default(func: Callable[..., Any], name: str) -> Any:
+    """The default of `func`'s parameter `name`: a flag's default read from the code that uses it."""
+    return inspect.signature(func).parameters[name].default
+
+
+def build_from_flags_and_env(
+    cls: type[T],
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    check: Callable[[str, Any], None] | None = None,
+) -> T:
+    """`cls` from its defaults < `KVSIEVE_<FIELD>` variables < its flags (see `add_flags`).
+
+    Unlike kvstore.settings.build_config, a value that cannot be read, or that the
+    dataclass (or `check(field, value)`, raising ValueError) refuses, is reported
+    with the flag or variable it came from.
+
+    Raises:
+        InvalidInputError: names the flag or variable and the value.
+    """
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        source, raw = _source(f.name, args, env)
+        if raw is None:
+            continue
+        try:
+            values[f.name] = convert(raw, hints[f.name], f.name)
+            cls(**{f.name: values[f.name]})  # the dataclass's own check, blamed on this source
+            if check is not None:
+                check(f.name, values[f.name])
+        except (InvalidInputError, TypeError, ValueError) as exc:
+            raise InvalidInputError(f"{source}={raw!r}: {exc}") from exc
+    return cls(**values)
+
+
+def _source(name: str, args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, Any]:
+    """Where field `name`'s value comes from (flag first, then variable), and the raw value."""
+    flag = getattr(args, name, None)
+    if flag is not None:
+        return "--" + name.replace("_", "-"), flag
+    variable = ENV_PREFIX + name.upper()
+    return variable, env.get(variable)
+
+
+class DeferredParser(argparse.ArgumentParser):
+    """A command's parser whose flags are added when that command is used (parsed or helped).
+
+    Why: a command's flags are built from the dataclasses that own the defaults, and
+    some live in modules that import torch; `kvsieve --help` must not pay for them.
+    """
+
+    def __init__(self, *args: Any, flags: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self._pending_flags = flags
+
+    def add_pending_flags(self) -> None:
+        """Add the command's flags now (once)."""
+        flags, self._pending_flags = self._pending_flags, None
+        if flags is not None:
+            flags(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        self.add_pending_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self.add_pending_flags()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self.add_pending_flags()
+        return super().format_help()
+
+
+Subcommands: TypeAlias = "argparse._SubParsersAction[DeferredParser]"
+"""What kvstore.cli hands to every command plugin: `add_subparsers(parser_class=DeferredParser)`."""
+
+
+def add_command(
+    commands: Subcommands,
+    name: str,
+    flags: Callable[[argparse.ArgumentParser], None],
+    handler: Callable[[argparse.Namespace], int],
+    **parser_kwargs: Any,
+) -> None:
+    """Add command `name`: `flags(parser)` adds its flags when it is used; `handler(args)` runs it.
+
+    Args:
+        commands: the subcommands object that `kvsieve` hands to every command plugin.
+        name: the command word.
+        flags: adds the command's arguments to its parser (deferred, see DeferredParser).
+        handler: runs the command and returns its exit code.
+        **parser_kwargs: `help` (the line in `kvsieve --help`), `description`, ...
+    """
+    parser = commands.add_parser(name, flags=flags, **parser_kwargs)
+    parser.set_defaults(handler=handler)

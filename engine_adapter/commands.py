@@ -1,0 +1,286 @@
+"""The model's commands of `kvsieve`: generate, run and engine.
+
+Contributed through the `kvsieve.commands` entry point (pyproject.toml); kvstore.cli
+finds this module by name and never imports the package. Each command's flags are
+built when that command is used, so the defaults come from the dataclasses that
+own them (`Sampling`, `Limits`, `ServerConfig`) without slowing `kvsieve --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstore.cliflags import Subcommands, add_command, add_flags, build_from_flags_and_env, parameter_default
+from kvstore.errors import KVSieveError
+from kvstore.server.config import ServerConfig
+from kvstore.settings import build_config
+
+if TYPE_CHECKING:
+    from engine_adapter.dsl.run import Event
+
+ENGINE_SKIPS = ("metrics_listen", "max_store_tokens", "shm")
+"""ServerConfig fields that the engine server does not use (no flag, refused in [engine])."""
+
+
+def register(commands: Subcommands) -> None:
+    """Add generate, run and engine to `kvsieve` (the `kvsieve.commands` entry point)."""
+    add_command(
+        commands, "generate", _generate_flags, _cmd_generate,
+        help="answer a prompt with the attached model, reusing cached prefix KV",
+        description="Answer PROMPT with SmolLM2-135M-Instruct (or --model), loading cached prefix KV "
+        "from an embedded store (--data-dir, default ~/.cache/kvsieve/data) or a sidecar (--store). "
+        "Only whole blocks of 256 prompt tokens are cached: ask about a --context document to see reuse "
+        "(run the same command twice; -v tells what was loaded instead of computed).",
+    )  # fmt: skip
+    add_command(
+        commands, "run", _run_flags, _cmd_run,
+        help="run a decoder-DSL program on the attached model",
+        description="Run PROGRAM (a .kvs file, see examples/) with --arg name=value for each of its "
+        "parameters. Yields are printed as they arrive. The program limits come from, lowest first: "
+        "defaults, KVSIEVE_<LIMIT> environment variables (e.g. KVSIEVE_MAX_CALLS), then the flags.",
+    )  # fmt: skip
+    add_command(
+        commands, "engine", _engine_flags, _cmd_engine,
+        help="serve RunProgram (decoder-DSL programs) over gRPC on the attached model",
+        description="An engine server: runs programs sent over gRPC (proto/kvsieve/v1/engine.proto) "
+        "on the model, with prefix KV in a kvsieve sidecar (--store) or an embedded store (--data-dir).",
+    )  # fmt: skip
+
+
+def _generate_flags(p: argparse.ArgumentParser) -> None:
+    from engine_adapter.engine import Engine
+    from engine_adapter.sampling import Sampling
+
+    budget, sampling = parameter_default(Engine.generate, "budget"), Sampling()
+    p.add_argument("prompt", help="the user message (the question, when --context is given)")
+    p.add_argument("--system", help="a system message before it")
+    p.add_argument(
+        "--context",
+        metavar="FILE",
+        help="a text document placed before PROMPT in the user message ('-' reads stdin); "
+        "its blocks are cached, so later questions about it load them instead of recomputing",
+    )
+    p.add_argument(
+        "--budget", type=float, default=budget, help="fraction of the cached prefix to load, (0, 1]"
+    )
+    _add_model_flags(p, no_store=True)
+    p.add_argument("--max-tokens", type=int, default=sampling.max_tokens,
+                   help=f"tokens to generate at most (default {sampling.max_tokens})")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=sampling.temperature,
+                   help=f"0 = greedy (default {sampling.temperature})")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=sampling.top_p,
+                   help=f"nucleus sampling mass (default {sampling.top_p})")  # fmt: skip
+    p.add_argument("--seed", type=int, default=sampling.seed, help="sampling seed")
+    p.add_argument("--stop", action="append", default=list(sampling.stop), help="stop string (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="say where the time went")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    from engine_adapter.dsl import Limits
+
+    p.add_argument("program", type=Path, help="the program file")
+    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument")
+    _add_model_flags(p)
+    p.add_argument(
+        "--keep", action="store_true", help="keep the program's prefix pinned until its lease expires"
+    )
+    p.add_argument("--json", action="store_true", help="JSON lines: kind, name, value, elapsed_s")
+    add_flags(p, Limits, "program limits (also KVSIEVE_<NAME> environment variables)")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    _add_model_flags(p, namespace=False)
+    p.add_argument("--config", type=Path, help="TOML file with an [engine] table (fields as the flags)")
+    # The sidecar's own listening rules and flags (auth tokens, TLS, loopback guard); each
+    # program's namespace comes from its caller's token. Default listen: 127.0.0.1:50061.
+    add_flags(p, ServerConfig, "engine server", skip=ENGINE_SKIPS)
+
+
+def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespace: bool = True) -> None:
+    """Flags of the commands that run the model: where KV lives, whose it is, which model."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="ADDR", help="HOST:PORT or unix:PATH of a running `kvsieve serve`")
+    where.add_argument(
+        "--data-dir", type=Path, help="embedded store directory (default ~/.cache/kvsieve/data)"
+    )
+    if no_store:
+        where.add_argument("--no-store", action="store_true", help="recompute everything")
+    p.add_argument("--token", help="bearer token for --store")
+    if namespace:
+        from engine_adapter.engine import Engine
+
+        default = parameter_default(Engine, "namespace")
+        p.add_argument("--namespace", default=default, help=f"tenant / cache salt (default: {default})")
+    p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine_adapter.engine import Engine
+    from engine_adapter.model import load_model
+    from engine_adapter.sampling import Sampling
+
+    sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+    user = args.prompt if args.context is None else f"{_read_context(args.context)}\n\n{args.prompt}"
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": user}
+    ]
+    lm = load_model(args.model)
+    store = _open_store(args)
+    try:
+        result = Engine(lm, store, namespace=args.namespace).generate(messages, sampling, budget=args.budget)
+    finally:
+        if store is not None:
+            store.close()
+    print(result.text)
+    if args.verbose:
+        _print_timings(args, result, lm.spec.fingerprint.hex())
+    return 0
+
+
+def _print_timings(args: argparse.Namespace, result: Any, fingerprint: str) -> None:
+    """`generate -v`: where the prompt's tokens came from and where the time went (stderr)."""
+    from engine_adapter.model import cache_dir
+    from engine_adapter.reuse import reuse_summary
+
+    t = result.timings
+    print(
+        f"\nprompt {result.prompt_tokens} tokens: {result.matched_tokens} cached, "
+        f"{result.loaded_tokens} loaded (budget {args.budget}), {result.computed_tokens} computed; "
+        f"{result.stored_blocks} new blocks stored\n"
+        f"lookup {t.lookup_s * 1e3:.1f} ms, load {t.load_s * 1e3:.1f} ms, "
+        f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms "
+        f"({len(result.token_ids)} tokens, {result.finish_reason})",
+        file=sys.stderr,
+    )
+    print(reuse_summary(result, fingerprint, cache_dir() / "prefill-rates.json"), file=sys.stderr)
+
+
+def _read_context(source: str) -> str:
+    """The --context document: a UTF-8 text file, or stdin for '-'. ValueError names the problem."""
+    if source == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"--context {source!r} is not a readable file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"--context {source!r} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from exc
+    if not text.strip():
+        raise ValueError(f"--context {source!r} is empty")
+    return text.strip()
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from engine_adapter.dsl import Limits, plan, run_program
+    from engine_adapter.dsl.plan import check_args
+    from engine_adapter.engine import Engine
+    from engine_adapter.model import load_model
+
+    limits = build_from_flags_and_env(Limits, args, check=_positive)
+    source = args.program.read_text()
+    values = dict(_key_value(item) for item in args.arg)
+    check_args(plan(source, limits), values)  # bad programs and arguments fail before the model loads
+    store = _open_store(args)
+    exit_code = 0
+    try:
+        engine = Engine(load_model(args.model), store, namespace=args.namespace)
+        for event in run_program(engine, source, values, limits=limits, keep=args.keep):
+            _print_event(event, args.json)
+            exit_code = 1 if event.kind == "error" else exit_code
+    except (ValueError, FileNotFoundError, KVSieveError):
+        raise  # main prints these (exit 2)
+    except Exception as exc:  # one line, never a traceback (a broken model or store directory)
+        print(f"kvsieve run: error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        exit_code = 1
+    finally:
+        if store is not None:
+            store.close()
+    return exit_code
+
+
+def _positive(name: str, value: Any) -> None:
+    """Every DSL limit is a count or a time that must be above zero."""
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0")
+
+
+def _print_event(event: Event, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"kind": event.kind, "name": event.name, "value": event.value,
+                          "elapsed_s": event.elapsed_s}), flush=True)  # fmt: skip
+    elif event.kind == "yield":
+        value = "\n".join(event.value) if isinstance(event.value, list) else event.value
+        print(f"[{event.elapsed_s:7.2f}s] {event.name}: {value}", flush=True)
+    elif event.kind == "error":
+        print(f"kvsieve run: error: {event.value}", file=sys.stderr)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine_adapter.engine import Engine
+    from engine_adapter.model import load_model
+    from engine_adapter.server import DEFAULT_LISTEN, check_engine_config, serve_engine
+
+    config = _engine_config(args, DEFAULT_LISTEN)
+    check_engine_config(config)  # refuse before the model loads
+    store = _open_store(args)
+    try:
+        asyncio.run(serve_engine(Engine(load_model(args.model), store), config))
+    finally:
+        if store is not None:
+            store.close()
+    return 0
+
+
+def _engine_config(args: argparse.Namespace, default_listen: str) -> ServerConfig:
+    """The engine's listening rules: its own defaults < the [engine] table of --config < flags.
+
+    KVSIEVE_* variables are not read: they configure the sidecar on the same host.
+    """
+    import dataclasses
+    import tomllib
+
+    from kvstore.cliflags import overrides
+
+    table: dict[str, Any] = {}
+    if args.config is not None:
+        with open(args.config, "rb") as fh:
+            table = tomllib.load(fh).get("engine", {})
+    allowed = {f.name for f in dataclasses.fields(ServerConfig)} - set(ENGINE_SKIPS)
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} in {args.config}[engine]; allowed: {sorted(allowed)}")
+    values = {"listen": default_listen, "metrics_listen": "", **table, **overrides(args, ServerConfig)}
+    return build_config(ServerConfig, env={}, overrides=values)
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--arg must be NAME=VALUE, got {item!r}")
+    return name, value
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    """The store a model command uses: a sidecar client, or an embedded store."""
+    if getattr(args, "no_store", False):
+        return None
+    if args.store:
+        from kvstore.client import KVClient
+
+        return KVClient(args.store, token=args.token)
+    from engine_adapter.model import cache_dir
+    from kvstore.config import StoreConfig
+    from kvstore.store import TieredStore
+
+    data_dir = args.data_dir or build_config(StoreConfig).data_dir or cache_dir() / "data"
+    return TieredStore(build_config(StoreConfig, overrides={"data_dir": data_dir}))

@@ -1,64 +1,326 @@
-"""Imports point downward only (see DESIGN.md, "Layers"); walked from the source."""
+"""Every import edge of every module follows the layer table of docs/architecture.md.
+
+The table is parsed from the page, so page and test cannot drift. Edges are read
+from the source: `import`, `from ... import` (to the submodule when it is one),
+relative imports resolved, imports under TYPE_CHECKING, and
+`importlib.import_module` / `__import__` / `find_spec` of literal names.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvstore", "radix", "importance", "engine_adapter", "bench")
 HEAVY = {"torch", "transformers", "grpc", "lmdb", "redis", "accelerate"}
+DYNAMIC = {"import_module", "__import__", "find_spec"}
+ROOT_LIST = "PLUGINS"  # the one name through which the composition root may reach upper layers
 
 
-def imports_of(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+class Unit(NamedTuple):
+    """One row of the layer table."""
+
+    name: str
+    layer: int
+    may_import: frozenset[str]
+    third_party: frozenset[str] | None  # None: any
+    third_party_banned: frozenset[str]
+    composition_root: bool
+
+
+class Edge(NamedTuple):
+    """`source` (a module) imports `target` (a dotted name; "?" when computed) at `line`."""
+
+    source: str
+    target: str
+    line: int
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+
+def layer_table(doc: Path = ROOT / "docs" / "architecture.md") -> dict[str, Unit]:
+    """The rows under "## Layer table" in docs/architecture.md, by unit name."""
+    section = doc.read_text().split("## Layer table", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # after header and rule
+    units: dict[str, Unit] = {}
+    for row in rows:
+        layer, unit, may_import, third = (cell.strip() for cell in row.strip("|").split("|"))
+        (name,) = _ticked(unit)
+        banned = frozenset(_ticked(third)) if third.startswith("any except") else frozenset()
+        units[name] = Unit(
+            name, int(layer), frozenset(_ticked(may_import.split("(")[0])),
+            None if third.startswith("any") else frozenset(_ticked(third)), banned,
+            "composition root" in may_import,
+        )  # fmt: skip
+    return units
+
+
+def _ticked(cell: str) -> list[str]:
+    return re.findall(r"`([\w.]+)`", cell)
+
+
+def unit_of(module: str, units: dict[str, Unit]) -> Unit | None:
+    """The row whose unit is the longest prefix of `module` (None: not one of ours)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in units:
+            return units[".".join(parts[:n])]
+    return None
+
+
+# -- the edges --------------------------------------------------------------------------------------
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the packages under `root`, by dotted name. No file is skipped."""
+    found: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def edges_of(module: str, path: Path, known: set[str]) -> list[Edge]:
+    """Every import edge of one module (see module docstring)."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    constants = _string_constants(tree)
+    edges: list[Edge] = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+            edges += [Edge(module, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module or "", node.level, package)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                edges.append(Edge(module, sub if sub in known else base, node.lineno))
+        elif isinstance(node, ast.Call) and _called_name(node.func) in DYNAMIC and node.args:
+            target = _literal_name(node, constants, package)
+            edges.append(Edge(module, target or "?", node.lineno))
+    return edges
 
 
-def files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+def _resolve(name: str, level: int, package: str) -> str:
+    if level == 0:
+        return name
+    base = package.split(".")[: len(package.split(".")) - (level - 1)]
+    return ".".join([*base, name] if name else base)
 
 
-def top(name: str) -> str:
-    return name.split(".")[0]
+def _called_name(func: ast.expr) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
-@pytest.mark.parametrize("package", ["radix", "importance"])
-def test_radix_and_importance_import_no_grpc_torch_model_or_store(package: str) -> None:
-    for path in files(package):
-        bad = {n for n in imports_of(path) if top(n) in HEAVY | {"kvstore", "engine_adapter"}}
-        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level `NAME = "literal"` assignments."""
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and isinstance(node.value.value, str):
+                    out[target.id] = node.value.value
+    return out
 
 
-def test_only_engine_adapter_imports_transformers() -> None:
-    for package in ("kvstore", "radix", "importance", "bench"):
-        for path in files(package):
-            bad = {n for n in imports_of(path) if top(n) in {"transformers", "accelerate"}}
-            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+def _literal_name(call: ast.Call, constants: dict[str, str], package: str) -> str | None:
+    """The module a dynamic import names, if the source says it; None when it is computed."""
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        name = arg.value
+    elif isinstance(arg, ast.Name) and arg.id in constants:
+        name = constants[arg.id]
+    elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        name = str(arg.values[0].value).rpartition(".")[0]  # f"bench.{name}_bench" -> bench
+        if not name:
+            return None
+    else:
+        return None
+    if name.startswith("."):  # import_module(".x", "pkg")
+        anchor = call.args[1] if len(call.args) > 1 else None
+        anchor_name = anchor.value if isinstance(anchor, ast.Constant) else package
+        level = len(name) - len(name.lstrip("."))
+        return _resolve(name.lstrip("."), level, str(anchor_name))
+    return name
+
+
+def _is_root_list(call_arg: ast.expr) -> bool:
+    return isinstance(call_arg, ast.Subscript) and getattr(call_arg.value, "id", "") == ROOT_LIST
+
+
+# -- the check --------------------------------------------------------------------------------------
+
+
+def violations(root: Path, units: dict[str, Unit]) -> list[str]:
+    """Every edge of every module under `root` that the table does not allow, as readable lines."""
+    found = modules(root)
+    known = set(found)
+    bad: list[str] = []
+    for module, path in found.items():
+        unit = unit_of(module, units)
+        if unit is None:
+            bad.append(f"{module}: in no row of the layer table")
+            continue
+        tree = ast.parse(path.read_text())
+        root_calls = {
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and n.args and _is_root_list(n.args[0])
+        }
+        for edge in edges_of(module, path, known):
+            problem = _problem(edge, unit, units, edge.line in root_calls)
+            if problem:
+                bad.append(f"{path.relative_to(root)}:{edge.line}: {module} -> {edge.target}: {problem}")
+    return bad
+
+
+def _problem(edge: Edge, unit: Unit, units: dict[str, Unit], through_root_list: bool) -> str:
+    if edge.target == "?":
+        if unit.composition_root and through_root_list:
+            return ""
+        return "imports a computed name (only the composition root may, through its plugin list)"
+    target = unit_of(edge.target, units)
+    if target is None:
+        return _third_party_problem(edge.target.split(".")[0], unit)
+    if target.name == unit.name or target.name in unit.may_import:
+        return ""
+    return f"{unit.name} (layer {unit.layer}) may not import {target.name} (layer {target.layer})"
+
+
+def _third_party_problem(top: str, unit: Unit) -> str:
+    if top in sys.stdlib_module_names or top == "__future__":
+        return ""
+    if top in unit.third_party_banned:
+        return f"{unit.name} may not import {top}"
+    if unit.third_party is not None and not any(
+        top == allowed.split(".")[0] for allowed in unit.third_party
+    ):  # fmt: skip
+        return f"{unit.name} may import only {sorted(unit.third_party)} outside the standard library"
+    return ""
+
+
+# -- tests ------------------------------------------------------------------------------------------
+
+
+def test_every_import_edge_follows_the_layer_table() -> None:
+    bad = violations(ROOT, layer_table())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_table_covers_every_package_and_points_downward() -> None:
+    units = layer_table()
+    assert set(PACKAGES) <= set(units)
+    for unit in units.values():
+        for other in unit.may_import:
+            assert other in units, f"{unit.name} names {other}, which has no row"
+            assert units[other].layer < unit.layer, f"{unit.name} may import {other}, not below it"
+    roots = [u for u in units.values() if u.composition_root]
+    assert [u.name for u in roots] == ["kvstore.cli"]
+    assert not [u.name for u in units.values() if "kvstore.cli" in u.may_import]  # nothing imports it
+
+
+def test_the_composition_root_reaches_upper_layers_only_through_declared_plugins() -> None:
+    units = layer_table()
+    tree = ast.parse((ROOT / "kvstore" / "cli.py").read_text())
+    (plugins,) = [
+        ast.literal_eval(node.value) for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == ROOT_LIST
+    ]  # fmt: skip
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert declared["kvsieve.commands"] == {name: f"{module}:register" for name, module in plugins.items()}
+    for module in plugins.values():
+        unit = unit_of(module, units)
+        assert unit is not None and unit.layer > units["kvstore"].layer and not unit.composition_root
+        assert module in modules(ROOT), f"{module} does not exist"
+
+
+IL = "import importlib\n"
+FORBIDDEN = {
+    "absolute": ("kvstore/bad.py", "import engine_adapter.engine\n", "kvstore.bad -> engine_adapter.engine"),
+    "from": ("kvstore/bad.py", "from bench import sidecar\n", "kvstore.bad -> bench.sidecar"),
+    "relative to the root": ("kvstore/server/bad.py", "from ..cli import main\n", "-> kvstore.cli"),
+    "relative package": ("kvstore/server/bad.py", "from .. import cli\n", "-> kvstore.cli"),
+    "type checking": (
+        "kvstore/bad.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine_adapter.engine import Engine\n",
+        "kvstore.bad -> engine_adapter.engine",
+    ),
+    "import_module": ("kvstore/bad.py", IL + 'importlib.import_module("bench.x_bench")\n', "-> bench"),
+    "__import__": ("radix/bad.py", '__import__("kvstore.store")\n', "radix (layer 1) may not import kvstore"),
+    "constant name": (
+        "kvstore/bad.py",
+        IL + 'M = "engine_adapter"\nimportlib.import_module(M)\n',
+        "-> engine_adapter:",
+    ),
+    "f-string": ("kvstore/bad.py", IL + 'n = "x"\nimportlib.import_module(f"bench.{n}")\n', "-> bench:"),
+    "computed name": ("engine_adapter/bad.py", IL + "importlib.import_module(input())\n", "a computed name"),
+    "upward": ("engine_adapter/bad.py", "from bench.sidecar import free_port\n", "may not import bench"),
+    "beside": (
+        "importance/bad.py",
+        "from radix import RadixTree\n",
+        "importance (layer 1) may not import radix",
+    ),
+    "third-party": ("radix/bad.py", "import torch\n", "radix may import only ['numpy']"),
+    "banned third-party": ("bench/bad.py", "import transformers\n", "bench may not import transformers"),
+    "root beyond its list": ("kvstore/cli.py", "import engine_adapter.commands\n", "kvstore.cli (layer 5)"),
+}
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir(exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "kvstore" / "server").mkdir(exist_ok=True)
+    (tmp_path / "kvstore" / "server" / "__init__.py").write_text("")
+    for name in ("cli", "store"):
+        (tmp_path / "kvstore" / f"{name}.py").write_text("")
+    (tmp_path / "engine_adapter" / "engine.py").write_text("")
+    (tmp_path / "engine_adapter" / "commands.py").write_text("")
+    (tmp_path / "bench" / "sidecar.py").write_text("")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", sorted(FORBIDDEN))
+def test_the_checker_flags_a_forbidden_edge(tmp_path: Path, case: str) -> None:
+    name, source, expected = FORBIDDEN[case]
+    bad = violations(_tree(tmp_path, {name: source}), layer_table())
+    assert len(bad) == 1 and expected in bad[0], bad
+
+
+def test_the_checker_passes_allowed_edges(tmp_path: Path) -> None:
+    files = {
+        "engine_adapter/ok.py": "import numpy\nfrom kvstore import store\nfrom . import engine\n",
+        "bench/ok.py": IL + 'from engine_adapter.engine import x\nimportlib.import_module("radix")\n',
+        "kvstore/cli.py": "import importlib\nPLUGINS = {}\nimportlib.import_module(PLUGINS['a'])\n",
+        "radix/ok.py": "import numpy as np\nimport os\n",
+    }
+    assert violations(_tree(tmp_path, files), layer_table()) == []
+
+
+# -- narrower rules, kept from before the table ------------------------------------------------------
 
 
 def test_tiers_and_codec_import_no_siblings() -> None:
     allowed = {"kvstore.errors", "kvstore.meta", "kvstore.model"}
-    for path in [*files("kvstore/tiers"), ROOT / "kvstore" / "codec.py"]:
-        siblings = {n for n in imports_of(path) if top(n) == "kvstore" and not n.startswith("kvstore.tiers")}
-        assert siblings <= allowed, f"{path.relative_to(ROOT)} imports {siblings - allowed}"
-
-
-def test_lower_layers_do_not_import_upper_ones() -> None:
-    for path in files("kvstore"):
-        # The command line is the composition root: it wires every layer together (lazily).
-        if "_generated" in path.parts or path.name == "cli.py":
+    found = modules(ROOT)
+    for module, path in found.items():
+        if not (module.startswith("kvstore.tiers") or module == "kvstore.codec"):
             continue
-        bad = {n for n in imports_of(path) if top(n) == "engine_adapter"}
-        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+        targets = {e.target for e in edges_of(module, path, set(found))}
+        siblings = {t for t in targets if t.startswith("kvstore.") and not t.startswith("kvstore.tiers")}
+        assert siblings <= allowed, f"{module} imports {siblings - allowed}"
 
 
 def test_importing_the_packages_stays_light() -> None:

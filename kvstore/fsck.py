@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import signal
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from kvstore.errors import ChecksumError, DamagedStoreError, KVSieveError, Stora
 from kvstore.keys import ROOT_KEY
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
+from kvstore.progress import progress_bar
 from kvstore.tiers.lmdb import LmdbTier
 
 EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3
@@ -159,7 +159,7 @@ def _check(tier: LmdbTier, repair: bool, progress: bool) -> FsckReport:
     metas = {key: meta for key, meta in records if isinstance(meta, BlockMeta)}
     bad = {key for key, meta in records if not isinstance(meta, BlockMeta)}
     report.problems += [FsckProblem(k.hex(), "bad-metadata", m) for k, m in records if isinstance(m, str)]
-    for meta in _progress(metas.values(), progress, len(metas)):
+    for meta in progress_bar(metas.values(), progress, "fsck", len(metas)):
         report.blocks_checked += 1
         found = _check_block(tier, meta)
         report.chunks_checked += meta.num_chunks
@@ -249,11 +249,3 @@ def _with_descendants(keys: set[bytes], metas: dict[bytes, BlockMeta]) -> set[by
                 doomed.add(meta.key)
                 changed = True
     return doomed
-
-
-def _progress(items: Iterable[BlockMeta], enabled: bool, total: int) -> Iterable[BlockMeta]:
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, total=total, desc="fsck", unit="block")

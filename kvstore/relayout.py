@@ -28,6 +28,7 @@ from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.errors import ChecksumError
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
+from kvstore.progress import progress_bar
 from kvstore.tiers.lmdb import LmdbTier
 
 
@@ -75,7 +76,7 @@ def _run(tier: LmdbTier, min_change: float, fraction: float, dry_run: bool, prog
         report.stale_chunks_removed = _sweep_stale_chunks(tier)
     metas = list(tier.iter_meta())
     read_before = read_after = wanted = 0
-    for meta in _progress(metas, progress):
+    for meta in progress_bar(metas, progress, "relayout"):
         report.blocks_examined += 1
         if meta.scores is None:
             continue
@@ -154,11 +155,3 @@ def _sweep_stale_chunks(tier: LmdbTier) -> int:
     if stale:
         tier.delete_chunk_keys(stale)
     return len(stale)
-
-
-def _progress(metas: list[BlockMeta], enabled: bool) -> list[BlockMeta]:
-    if not enabled:
-        return metas
-    from tqdm import tqdm
-
-    return tqdm(metas, desc="relayout", unit="block")

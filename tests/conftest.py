@@ -1,14 +1,21 @@
-"""Shared fixtures: small model shapes, stores on tmp_path, deterministic KV."""
+"""Shared fixtures and helpers: small model shapes, stores on tmp_path, deterministic KV, the CLI
+in a subprocess, servers in a thread, a corrupted chunk."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from bench.sidecar import free_port
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
@@ -44,13 +51,50 @@ def store(small_config: StoreConfig) -> Iterator[TieredStore]:
         yield s
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    import socket
+def kvsieve(
+    *args: str, timeout: float = 300, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`kvsieve ARGS` in a child of this Python (it inherits PYTHONPATH); `env` adds variables."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=timeout,
+        input=stdin, env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+
+def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int) -> None:
+    """Flip one payload byte of a stored chunk in place, with LMDB itself (the store is closed)."""
+    import lmdb
+
+    from kvstore.tiers.base import chunk_key
+
+    env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)  # the file may exceed the default
+    db = env.open_db(b"chunks")
+    with env.begin(write=True, db=db) as txn:
+        key = chunk_key(block_key, 0, chunk_index)
+        data = bytearray(txn.get(key))
+        data[len(data) // 2] ^= 0x01
+        txn.put(key, bytes(data))
+    env.close()
+
+
+class ServerInThread:
+    """A gRPC server started by `start` (a coroutine returning a running server with `address`
+    and `stop(grace)`, e.g. kvstore.server.app.start), served by an event loop in a thread."""
+
+    def __init__(self, start: Coroutine[Any, Any, Any]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running = asyncio.run_coroutine_threadsafe(start, self.loop).result(30)
+        self.address: str = self.running.address
+
+    def stop(self) -> None:
+        """Stop the server (1 s grace), then the loop; the thread must have ended."""
+        asyncio.run_coroutine_threadsafe(self.running.stop(1), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        self.loop.close()
 
 
 @pytest.fixture(scope="session")

@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-
-def kvsieve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
+from conftest import kvsieve
 
 COMMANDS = ["generate", "run", "engine", "serve", "stats", "fsck", "relayout", "bench"]
 

@@ -9,16 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import kvsieve
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = "program p() {\n  a = gen(max_tokens=2)\n  b = gen(max_tokens=2)\n  yield a\n}\n"
-
-
-def kvsieve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
-    )  # fmt: skip
 
 
 def test_a_command_declared_only_by_an_installed_entry_point_is_found(tmp_path: Path) -> None:

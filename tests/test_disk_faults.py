@@ -8,6 +8,7 @@ the machine does not allow mounting), and data.mdb unlinked under a live store.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import grpc
 import lmdb
 import numpy as np
 import pytest
+from conftest import kvsieve as run_kvsieve
 from conftest import make_kv, make_tokens
 
 from bench.sidecar import Sidecar, free_port
@@ -40,9 +42,7 @@ def config_for(data_dir: Path) -> StoreConfig:
     return StoreConfig(data_dir=data_dir, block_tokens=32, chunk_tokens=8, memory_bytes=64 << 20)
 
 
-def kvsieve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "kvstore.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+kvsieve = functools.partial(run_kvsieve, timeout=60)  # a store command that hangs is a failure here
 
 
 def filled(data_dir: Path, prompts: int = 10) -> Path:

@@ -3,17 +3,15 @@ and a stream that always ends, on the real model and real gRPC servers (engine a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from conftest import ServerInThread, kvsieve
 
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
@@ -28,12 +26,6 @@ PROGRAM = (
 )
 TOKENS = {"tok-a": ["tenant-a"], "tok-b": ["tenant-b"], "ops": ["*"]}
 ENGINE_STORE_TOKEN = "engine-secret"
-
-
-def kvsieve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def test_non_loopback_engine_without_auth_is_refused() -> None:
@@ -53,11 +45,8 @@ class EngineThread:
     def __init__(self, engine: Any, config: ServerConfig, root_cert: bytes | None = None) -> None:
         from engine_adapter.server import start_engine
 
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.running = asyncio.run_coroutine_threadsafe(start_engine(engine, config), self.loop).result(30)
-        self.target = "127.0.0.1:" + self.running.address.rsplit(":", 1)[1]
+        self.server = ServerInThread(start_engine(engine, config))
+        self.target = "127.0.0.1:" + self.server.address.rsplit(":", 1)[1]
         if root_cert is None:
             self.channel = grpc.insecure_channel(self.target)
         else:  # the certificate is for "localhost"
@@ -72,10 +61,7 @@ class EngineThread:
 
     def close(self) -> None:
         self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.running.stop(1), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        assert not self.thread.is_alive()
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +158,7 @@ def test_a_network_engine_with_tokens_and_tls_serves_only_tls_clients(lm, tmp_pa
     config = ServerConfig(listen="0.0.0.0:0", auth_tokens=TOKENS, tls_cert=cert, tls_key=key)
     server = EngineThread(Engine(lm, None), config, root_cert=cert.read_bytes())
     try:
-        assert server.running.address.startswith("0.0.0.0:")  # a network address, accepted with TLS + tokens
+        assert server.server.address.startswith("0.0.0.0:")  # a network address, accepted with TLS + tokens
         with pytest.raises(grpc.RpcError) as info:
             server.run(None, timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lmdb
 import numpy as np
-from conftest import make_kv, make_tokens
-from test_store import corrupt_chunk
+from conftest import corrupt_chunk, kvsieve, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
-
-
-def kvsieve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True)
 
 
 def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:

@@ -7,15 +7,14 @@ well-defined status (never INTERNAL or UNKNOWN, never a hang) and stay alive.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from conftest import ServerInThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -137,19 +136,13 @@ class ServerThread:
 
         config = ServerConfig(listen="127.0.0.1:0", metrics_listen="", auth_tokens=TOKENS)
         store_config = StoreConfig(data_dir=data_dir, block_tokens=32, chunk_tokens=8, memory_bytes=16 << 20)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.running = asyncio.run_coroutine_threadsafe(start(config, store_config), self.loop).result(30)
-        self.channel = grpc.insecure_channel(self.running.address)
+        self.server = ServerInThread(start(config, store_config))
+        self.channel = grpc.insecure_channel(self.server.address)
         self.stub = pb_grpc.KVCacheStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.running.stop(1), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        assert not self.thread.is_alive()
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")

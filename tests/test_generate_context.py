@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import kvsieve
 
 PRIMER = Path(__file__).parent.parent / "examples" / "kv-cache-primer.txt"
 
 
 def generate(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "kvstore.cli", "generate", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600)
+    return kvsieve("generate", *args, stdin=stdin, timeout=600)
 
 
 @pytest.mark.parametrize(

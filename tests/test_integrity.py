@@ -8,8 +8,6 @@ disk or a stray write would leave), then checks fsck, a restarted store and
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +15,7 @@ import lmdb
 import numpy as np
 import pytest
 import xxhash
-from conftest import TINY, make_kv, make_tokens
+from conftest import TINY, kvsieve, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError
@@ -27,10 +25,6 @@ from kvstore.store import TieredStore
 
 PROMPT = make_tokens(96)  # three blocks of 32
 OTHER = make_tokens(64, seed=5)  # two blocks, untouched
-
-
-def kvsieve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True)
 
 
 def fill(config: StoreConfig) -> list[bytes]:

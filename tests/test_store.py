@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_kv, make_tokens
+from conftest import corrupt_chunk, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, NotFoundError, StoreFullError
@@ -200,22 +200,6 @@ def test_flipped_byte_on_disk_is_a_miss_and_counted(small_config: StoreConfig, t
         assert loaded.tobytes() == kv[:, :, :, :32].tobytes()
         assert s.stats().get("checksum_failures") == 1
         assert s.lookup(tokens, model=tiny).num_tokens == 32
-
-
-def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int) -> None:
-    """Flip one payload byte of a stored chunk, in place, with LMDB itself."""
-    import lmdb
-
-    from kvstore.tiers.base import chunk_key
-
-    env = lmdb.open(str(config.lmdb_dir), max_dbs=4)
-    db = env.open_db(b"chunks")
-    with env.begin(write=True, db=db) as txn:
-        key = chunk_key(block_key, 0, chunk_index)
-        data = bytearray(txn.get(key))
-        data[len(data) // 2] ^= 0x01
-        txn.put(key, bytes(data))
-    env.close()
 
 
 def test_memory_only_store(tiny: ModelSpec) -> None:

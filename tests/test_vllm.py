@@ -29,6 +29,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM not installed (pip install -e '.[vllm]', see docs/vllm.md)", allow_module_level=True)
 
 import numpy as np
+from conftest import corrupt_chunk
 
 from bench.sidecar import Sidecar
 from bench.texts import token_windows
@@ -89,22 +90,6 @@ def model_spec(world: World, kv_dtype: str) -> ModelSpec:
     return spec_from_config(
         AutoConfig.from_pretrained(world.model, local_files_only=True), world.model, kv_dtype
     )
-
-
-def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int) -> None:
-    """Flip one payload byte of a stored chunk in place, with LMDB itself (the sidecar is down)."""
-    import lmdb
-
-    from kvstore.tiers.base import chunk_key
-
-    env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)  # the file is larger than the default
-    db = env.open_db(b"chunks")
-    with env.begin(write=True, db=db) as txn:
-        key = chunk_key(block_key, 0, chunk_index)
-        data = bytearray(txn.get(key))
-        data[len(data) // 2] ^= 0x01
-        txn.put(key, bytes(data))
-    env.close()
 
 
 def driver_options(logs: Path, name: str) -> dict[str, Any]:

@@ -96,8 +96,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p, namespace=False)
     p.add_argument("--config", type=Path, help="TOML file with an [engine] table (fields as the flags)")
     # The sidecar's own listening rules and flags (auth tokens, TLS, loopback guard); each
-    # program's namespace comes from its caller's token. Default listen: 127.0.0.1:50061.
-    add_flags(p, ServerConfig, "engine server", skip=ENGINE_SKIPS)
+    # program's namespace comes from its caller's token.
+    add_flags(p, ServerConfig, "engine server", skip=ENGINE_SKIPS, defaults=_engine_defaults())
+
+
+def _engine_defaults() -> dict[str, Any]:
+    """Where the engine server's defaults differ from the sidecar's ServerConfig."""
+    from engine_adapter.server import DEFAULT_LISTEN
+
+    return {"listen": DEFAULT_LISTEN, "metrics_listen": ""}
 
 
 def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespace: bool = True) -> None:
@@ -228,9 +235,9 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 
     from engine_adapter.engine import Engine
     from engine_adapter.model import load_model
-    from engine_adapter.server import DEFAULT_LISTEN, check_engine_config, serve_engine
+    from engine_adapter.server import check_engine_config, serve_engine
 
-    config = _engine_config(args, DEFAULT_LISTEN)
+    config = _engine_config(args)
     check_engine_config(config)  # refuse before the model loads
     store = _open_store(args)
     try:
@@ -241,7 +248,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_config(args: argparse.Namespace, default_listen: str) -> ServerConfig:
+def _engine_config(args: argparse.Namespace) -> ServerConfig:
     """The engine's listening rules: its own defaults < the [engine] table of --config < flags.
 
     KVSIEVE_* variables are not read: they configure the sidecar on the same host.
@@ -259,7 +266,7 @@ def _engine_config(args: argparse.Namespace, default_listen: str) -> ServerConfi
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"unknown keys {unknown} in {args.config}[engine]; allowed: {sorted(allowed)}")
-    values = {"listen": default_listen, "metrics_listen": "", **table, **overrides(args, ServerConfig)}
+    values = {**_engine_defaults(), **table, **overrides(args, ServerConfig)}
     return build_config(ServerConfig, env={}, overrides=values)
 
 

@@ -40,9 +40,17 @@ def field_docs(cls: type[Any]) -> dict[str, str]:
 
 
 def add_flags(
-    parser: argparse.ArgumentParser, cls: type[Any], title: str, skip: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    cls: type[Any],
+    title: str,
+    skip: tuple[str, ...] = (),
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
-    """Add one flag per field of `cls` to a group of `parser`."""
+    """Add one flag per field of `cls` to a group of `parser`.
+
+    `defaults` names the fields whose default the command replaces (shown in the help
+    instead of the dataclass's; the command applies them itself).
+    """
     group = parser.add_argument_group(title)
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -50,6 +58,7 @@ def add_flags(
         if f.name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else "{}"
+        default = (defaults or {}).get(f.name, default)
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if hints[f.name] is bool:

@@ -81,3 +81,12 @@ def test_dsl_limits_come_from_flags_and_environment(
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("kvsieve run: error: ") and message in result.stderr, result.stderr
     assert not (tmp_path / "data").exists()  # refused before the model or the store was opened
+
+
+def test_engine_help_shows_the_engine_defaults_not_the_sidecars() -> None:
+    from engine_adapter.server import DEFAULT_LISTEN
+    from kvstore.server.config import ServerConfig
+
+    result = kvsieve("engine", "--help")
+    assert result.returncode == 0 and f"(default: {DEFAULT_LISTEN})" in " ".join(result.stdout.split())
+    assert f"(default: {ServerConfig().listen})" not in " ".join(result.stdout.split())

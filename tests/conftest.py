@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.sidecar import free_port
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
@@ -104,38 +103,12 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     Skipped when redis-server is not installed, unless KVSIEVE_REQUIRE_REDIS=1
     (set by .ci/run), where a missing server fails the run instead.
     """
-    import os
-    import shutil
-    import subprocess
-    import time
+    require_redis_server()
+    from bench.redisd import RedisNode
 
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        if os.environ.get("KVSIEVE_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server is required (KVSIEVE_REQUIRE_REDIS=1) but not on PATH")
-        pytest.skip("redis-server not installed")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("redis-server did not start")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+    node = RedisNode(tmp_path_factory.mktemp("redis")).start()
+    yield node.url
+    node.stop()
 
 
 def require_redis_server() -> None:

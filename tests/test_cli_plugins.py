@@ -90,3 +90,16 @@ def test_engine_help_shows_the_engine_defaults_not_the_sidecars() -> None:
     result = kvsieve("engine", "--help")
     assert result.returncode == 0 and f"(default: {DEFAULT_LISTEN})" in " ".join(result.stdout.split())
     assert f"(default: {ServerConfig().listen})" not in " ".join(result.stdout.split())
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_limit_from_the_environment_reaches_the_executor(tmp_path: Path) -> None:
+    """deadline_s is checked while the program runs, not by the planner."""
+    program = tmp_path / "two.kvs"
+    program.write_text(PROGRAM)
+    result = kvsieve(
+        "run", str(program), "--data-dir", str(tmp_path / "data"), env={"KVSIEVE_DEADLINE_S": "0.001"}
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "kvsieve run: error: deadline of 0.001 s exceeded" in result.stderr, result.stderr

@@ -21,9 +21,11 @@ from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.errors import KVSieveError
+from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
 from kvstore.keys import as_token_array, validate_namespace
 from kvstore.leases import Lease
 from kvstore.model import ModelSpec
+from kvstore.server.status import error_for
 from kvstore.stats import StoreStats
 from kvstore.store import (
     DEFAULT_NAMESPACE,
@@ -34,17 +36,9 @@ from kvstore.store import (
     validate_kv,
 )
 from kvstore.transport import channel_options, is_loopback
-from kvstore.wire import ctx_to_pb, error_for, kv_bytes, stats_from_pb
+from kvstore.wire import ctx_to_pb, kv_bytes, stats_from_pb
 
 Array = np.ndarray[Any, Any]
-
-
-class RpcFailedError(KVSieveError):
-    """A call failed with a status that maps to no domain error (UNAVAILABLE, DEADLINE_EXCEEDED)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
 
 
 class KVClient:
@@ -446,12 +440,8 @@ class RemoteLoadStream:
             self._dense = None
 
 
-def _domain_error(exc: grpc.RpcError) -> Exception:
-    code, details = exc.code(), exc.details() or ""
-    try:
-        return error_for(code, details)
-    except LookupError:
-        return RpcFailedError(code, details)
+def _domain_error(exc: grpc.RpcError) -> KVSieveError:
+    return error_for(exc.code(), exc.details() or "")
 
 
 def _ctx(model: ModelSpec, namespace: str) -> pb.RequestContext:

@@ -23,17 +23,18 @@ from pathlib import Path
 import lmdb
 
 from kvstore.codec import ChunkId, decode_chunk
-from kvstore.errors import ChecksumError, DamagedStoreError, KVSieveError, StorageUnavailableError
+from kvstore.errors import (
+    ChecksumError,
+    DamagedStoreError,
+    FsckCannotRunError,
+    StorageUnavailableError,
+)
 from kvstore.keys import ROOT_KEY
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.tiers.lmdb import LmdbTier
 
 EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3
-
-
-class FsckCannotRunError(KVSieveError):
-    """fsck could not check anything (no store at the path, the check process failed)."""
 
 
 @dataclass(frozen=True)

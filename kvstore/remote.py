@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvstore.config import StoreConfig
+from kvstore.errors import RemoteUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierFullError
 from kvstore.tiers.breaker import CircuitBreaker
-from kvstore.tiers.redis import RedisTier, RemoteUnavailableError
+from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.writebehind import WriteBehind
 
 

@@ -15,12 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidInputError, StoreFullError
+from kvstore.errors import InvalidInputError, LimitExceededError
 from kvstore.leases import Lease
-
-
-class LimitExceededError(StoreFullError):
-    """A server limit or tenant quota refuses the request (maps to RESOURCE_EXHAUSTED)."""
 
 
 class ByteBudget:

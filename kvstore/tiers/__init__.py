@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.tiers.base import Tier, TierFullError, TierUsage, chunk_key
+from kvstore.errors import TierFullError
+from kvstore.tiers.base import Tier, TierUsage, chunk_key
 
 __all__ = ["Tier", "TierFullError", "TierUsage", "chunk_key", "create_tier"]
 

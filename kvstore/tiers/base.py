@@ -10,12 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from kvstore.errors import KVSieveError
 from kvstore.meta import BlockMeta
-
-
-class TierFullError(KVSieveError):
-    """The tier cannot take a block until something is deleted."""
 
 
 class TierUsage(NamedTuple):

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError
+from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierFullError, TierUsage, chunk_key
+from kvstore.tiers.base import TierUsage, chunk_key
 from kvstore.tiers.lmdbfile import check_data_file, reserve_lock_file, write_error
 
 _MIN_MAP_BYTES = 64 << 20

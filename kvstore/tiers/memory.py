@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvstore.errors import TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierFullError, TierUsage
+from kvstore.tiers.base import TierUsage
 from kvstore.tiers.pinned import host_buffer
 
 ChunkRef = tuple[bytes, int]  # (block key, chunk index)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.codec import ChunkId, decode_chunk
+from kvstore.codec import decode_chunk
 from kvstore.errors import (
     ChecksumError,
     DamagedStoreError,
@@ -195,7 +195,7 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
             problems.append(FsckProblem(meta.key.hex(), "missing-chunk", f"chunk {index} absent"))
             continue
         total += len(data)
-        expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+        expect = meta.chunk_id(index)
         try:
             decode_chunk(data, expect)
         except ChecksumError as exc:

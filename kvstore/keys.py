@@ -17,6 +17,8 @@ from kvstore.errors import InvalidInputError
 
 KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
+#: Where a prefix's blocks hang in the index: (namespace digest, model fingerprint).
+Root = tuple[bytes, bytes]
 _MAX_TOKEN_ID = 2**32 - 1
 _NAMESPACE_MAX_CHARS = 256
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from importance.layout import chunks_for_top, importance_order, layout_change
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk
+from kvstore.codec import decode_chunk, encode_chunk
 from kvstore.errors import ChecksumError
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
@@ -113,7 +113,7 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
         for index, data in zip(indices, tier.get_chunks(meta, indices), strict=True):
             if data is None:
                 return None
-            expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+            expect = meta.chunk_id(index)
             chunk = decode_chunk(data, expect)
             codec = chunk.codec
             if block_kv is None:
@@ -128,7 +128,7 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
     chunks = []
     for index in indices:
         offsets = new_perm[index * meta.chunk_tokens : (index + 1) * meta.chunk_tokens]
-        cid = ChunkId(meta.fingerprint, meta.namespace, meta.key, version, index)
+        cid = meta.chunk_id(index, version)
         kv = block_kv[:, :, :, offsets]
         chunks.append(encode_chunk(cid, meta.start + offsets, kv, dtype, codec))
     new_meta = meta.with_layout(version, new_perm, sum(len(c) for c in chunks))

@@ -116,7 +116,7 @@ def test_contract_leases(backend: Any, ns: str) -> None:
     tokens = make_tokens(64, seed=4)
     backend.store(tokens, make_kv(TINY, 64, seed=4), model=TINY, namespace=ns)
     lease = backend.pin(tokens, model=TINY, namespace=ns, ttl_s=30)
-    assert len(lease.keys) == 2
+    assert lease.num_keys == 2 and lease.ttl_s == 30
     backend.unpin(lease.lease_id)
     with pytest.raises(NotFoundError):
         backend.unpin(lease.lease_id)

@@ -19,9 +19,9 @@ from typing_extensions import override
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
+from kvstore.api import Lease, LoadStream
 from kvstore.errors import ArenaLimitError, InvalidInputError, NotFoundError
 from kvstore.keys import validate_namespace
-from kvstore.leases import Lease
 from kvstore.model import ModelSpec
 from kvstore.results import LookupResult
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
@@ -39,7 +39,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.status import status_of
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
 from kvstore.shm import ServerArena
-from kvstore.store import LoadStream, TieredStore
+from kvstore.store import TieredStore
 from kvstore.wire import ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
@@ -171,7 +171,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             ttl = request.ttl_s or 60.0
             lease = await asyncio.to_thread(self._pin, request.tokens, model, namespace, ttl)
             self._tenants.add(namespace, {"pins": 1})
-            return pb.PinResponse(lease_id=lease.lease_id, num_blocks=len(lease.keys), ttl_s=ttl)
+            return pb.PinResponse(lease_id=lease.lease_id, num_blocks=lease.num_keys, ttl_s=ttl)
 
     @override
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> pb.UnpinResponse:
@@ -280,15 +280,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _pin(self, tokens: Any, model: ModelSpec, namespace: str, ttl: float) -> Lease:
         lease = self._store.pin(self._tokens(tokens), model=model, namespace=namespace, ttl_s=ttl)
         try:
-            self.leases.admit(namespace, lease)
+            self.leases.admit(namespace, lease, self._store.index.lease_keys(lease.lease_id))
         except LimitExceededError:
             self._store.unpin(lease.lease_id)
             raise
         return lease
 
     def _block_bytes(self, key: bytes) -> int:
-        node = self._store.tree.get(key)
-        return 0 if node is None else node.nbytes
+        return self._store.index.block_bytes(key)
 
     def _guard(self, context: Any) -> _Guard:
         return _Guard(context)

@@ -34,6 +34,15 @@ class Tier(Protocol):
         """
         ...
 
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+        """Store several blocks, all or nothing, as `put_block` does for one. Mutates.
+
+        LMDB writes them in one transaction; memory checks the room for all of them
+        first; Redis writes block by block and deletes the ones it wrote if one fails.
+        Raises `TierFullError` when they do not fit (then none of them is kept).
+        """
+        ...
+
     def put_meta(self, meta: BlockMeta) -> bool:
         """Replace the metadata of a held block (new scores); chunks untouched. Mutates.
 

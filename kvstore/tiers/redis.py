@@ -19,6 +19,7 @@ server and right after it in a cluster (the hash sits in another slot).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -108,6 +109,18 @@ class RedisTier:
             self._transaction(
                 meta.key, commands, (meta.nbytes - old.nbytes, 0, meta.num_chunks - old.num_chunks)
             )
+
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+        written: list[bytes] = []
+        try:
+            for meta, chunks in blocks:
+                self.put_block(meta, chunks)
+                written.append(meta.key)
+        except BaseException:
+            for key in written:  # best effort: the remote tier is a cache, a leftover is only a hit
+                with contextlib.suppress(RemoteUnavailableError, TierFullError):
+                    self.delete_block(key)
+            raise
 
     def put_meta(self, meta: BlockMeta) -> bool:
         # XX: only if the block is still there; the remote may have evicted it.

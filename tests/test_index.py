@@ -125,7 +125,7 @@ def test_disk_eviction_frees_every_local_tier(tmp_path: Path) -> None:
 
 
 def test_a_lease_counts_its_keys_and_expires_on_the_holder_clock() -> None:
-    a, ca = make_block(20)
+    a, _ = make_block(20)
     now = [100.0]
     config = StoreConfig(block_tokens=8, chunk_tokens=2)
     index = StoreIndex(config, MemoryTier(1 << 20), [], memory_is_cache=False, counters=Counters(),

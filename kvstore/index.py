@@ -62,15 +62,9 @@ class StoreIndex:
     """
 
     def __init__(
-        self,
-        config: StoreConfig,
-        memory: MemoryTier,
-        local_durable: Sequence[Tier],
-        *,
-        memory_is_cache: bool,
-        counters: Counters,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+        self, config: StoreConfig, memory: MemoryTier, local_durable: Sequence[Tier], *,
+        memory_is_cache: bool, counters: Counters, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self._config = config
         self.tree = RadixTree(config.block_tokens)
         self.leases = LeaseTable(self.tree.pin, self.tree.unpin, clock)

@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from importance.layout import importance_order
 from kvstore.codec import ChunkId, decode_chunk, encode_chunk
@@ -31,6 +31,7 @@ from radix import MatchResult
 
 if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote tier loads it
     from kvstore.remote import RemoteLink
+    from kvstore.tiers.lmdb import LmdbTier
 
 NewBlock = tuple[BlockMeta, list[bytes]]
 
@@ -48,14 +49,9 @@ class BlockMover:
     """
 
     def __init__(
-        self,
-        config: StoreConfig,
-        index: StoreIndex,
-        memory: MemoryTier,
-        local_durable: Sequence[Tier],
-        remote: RemoteLink | None,
-        counters: Counters,
-    ) -> None:
+        self, config: StoreConfig, index: StoreIndex, memory: MemoryTier, local_durable: Sequence[Tier],
+        remote: RemoteLink | None, counters: Counters,
+    ) -> None:  # fmt: skip
         self._config = config
         self._index = index
         self.memory = memory
@@ -177,6 +173,18 @@ class BlockMover:
             cid = meta.chunk_id(index)
             data = memoryview(encode_chunk(cid, chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw"))
         self._index.promote(meta, index, data)
+
+    def local_metas(self) -> list[BlockMeta]:
+        """Every block record of the local disk tier (none without one), for the start-up rebuild.
+
+        Records that fail their checksum or identity check are skipped and counted
+        (`metadata_failures`): their prompts are misses until stored again.
+        """
+        if not self.local_durable:
+            return []
+        records = [m for _, m in cast("LmdbTier", self.local_durable[0]).iter_meta_raw()]
+        self._counters.add("metadata_failures", sum(not isinstance(m, BlockMeta) for m in records))
+        return [m for m in records if isinstance(m, BlockMeta)]
 
     # -- the shared remote tier ---------------------------------------------------
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.index import StoreIndex, check_budget
 from kvstore.keys import Root, as_token_array, namespace_digest
+from kvstore.leases import LeaseTable
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
@@ -45,9 +46,7 @@ from kvstore.tiers.memory import MemoryTier
 from radix import MatchResult, RadixTree
 
 if TYPE_CHECKING:
-    from kvstore.leases import LeaseTable
     from kvstore.remote import RemoteLink
-    from kvstore.tiers.lmdb import LmdbTier
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -86,16 +85,26 @@ class TieredStore:
                 create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
             )
         memory = MemoryTier(self.config.memory_bytes, pin_host_memory=self.config.pin_host_memory)
-        self.remote_link = self._open_remote()
+        self.remote_link: RemoteLink | None = None
+        if self.config.has_remote:
+            from kvstore.remote import open_link  # imports redis only when a remote tier is used
+
+            self.remote_link = open_link(self.config, self.counters)
         self.index = StoreIndex(
             self.config, memory, local, counters=self.counters, clock=clock,
             # Only a cache of a durable tier may give up chunks the index still lists.
             memory_is_cache=bool(local) or self.config.has_remote,
         )  # fmt: skip
         self.mover = BlockMover(self.config, self.index, memory, local, self.remote_link, self.counters)
+        # The parts, for the sidecar, tools and tests (read-only use).
+        self.tree: RadixTree = self.index.tree
+        self.leases: LeaseTable = self.index.leases
+        self.memory: MemoryTier = memory
+        self.durable: list[Tier] = self.mover.durable
         self._write_lock = threading.Lock()
         self._closed = False
-        self.orphans = self._rebuild()
+        # A restarted store is warm: list every block of the local disk tier.
+        self.orphans = self.index.rebuild(self.mover.local_metas())
 
     # -- PrefixStore ----------------------------------------------------------------
 
@@ -227,26 +236,6 @@ class TieredStore:
         """True when lookups never leave the process (no remote tier to probe)."""
         return self.remote_link is None
 
-    @property
-    def tree(self) -> RadixTree:
-        """The index's radix tree (read-only use)."""
-        return self.index.tree
-
-    @property
-    def leases(self) -> LeaseTable:
-        """The index's lease table."""
-        return self.index.leases
-
-    @property
-    def memory(self) -> MemoryTier:
-        """The memory tier."""
-        return self.mover.memory
-
-    @property
-    def durable(self) -> list[Tier]:
-        """The durable tiers, local first, then the shared remote tier."""
-        return self.mover.durable
-
     # -- internals ----------------------------------------------------------------
 
     def _match(self, root: Root, toks: Array) -> MatchResult:
@@ -260,28 +249,5 @@ class TieredStore:
         self.counters.add("bytes_selected", stream.selected_tokens * token_bytes)
         self.counters.sample_read_amplification(stream.read_amplification)
 
-    def _open_remote(self) -> RemoteLink | None:
-        if not self.config.has_remote:
-            return None
-        from kvstore.remote import RemoteLink  # imports redis only when a remote tier is used
-
-        def written(nbytes: int) -> None:
-            self.counters.add_many({"bytes_written.redis": nbytes, "remote.writes": 1})
-
-        return RemoteLink(self.config, on_written=written)
-
     def _root(self, model: ModelSpec, namespace: str) -> Root:
         return (namespace_digest(namespace), model.fingerprint)
-
-    def _rebuild(self) -> int:
-        """List every block on the local disk tier (a restarted store is warm). Returns orphans.
-
-        Records that fail their checksum or identity check are skipped and counted
-        (`metadata_failures`): their prompts are misses until stored again.
-        """
-        if not self.mover.local_durable:
-            return 0
-        records = list(cast("LmdbTier", self.mover.local_durable[0]).iter_meta_raw())
-        metas = [m for _, m in records if isinstance(m, BlockMeta)]
-        self.counters.add("metadata_failures", len(records) - len(metas))
-        return self.index.rebuild(metas)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.errors import TierFullError
-from kvstore.tiers.base import Tier, TierUsage, chunk_key
+from kvstore.keys import chunk_key
+from kvstore.tiers.base import Tier, TierUsage
 
 __all__ = ["Tier", "TierFullError", "TierUsage", "chunk_key", "create_tier"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
+from kvstore.keys import chunk_key as chunk_key  # re-export (old home)
 from kvstore.meta import BlockMeta
 
 
@@ -80,8 +81,3 @@ class Tier(Protocol):
     def close(self) -> None:
         """Release files and connections. Idempotent."""
         ...
-
-
-def chunk_key(block_key: bytes, layout_version: int, chunk_index: int) -> bytes:
-    """Storage key of one chunk: block key, layout version, chunk index (big-endian, sortable)."""
-    return block_key + layout_version.to_bytes(4, "big") + chunk_index.to_bytes(2, "big")

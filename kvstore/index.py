@@ -28,7 +28,7 @@ import numpy as np
 from importance.layout import budget_to_tokens, select_chunks
 from kvstore.api import Lease
 from kvstore.config import StoreConfig
-from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
+from kvstore.errors import StoreFullError, TierFullError
 from kvstore.eviction import create_policy
 from kvstore.leases import LeaseTable
 from kvstore.meta import BlockMeta
@@ -140,7 +140,7 @@ class StoreIndex:
     def plan_load(self, match: MatchResult, budget: float, budget_tokens: int | None) -> LoadPlan:
         """Chunks to read for a load of `match` at a budget (a fraction, or a token count).
 
-        The budget must have passed `check_budget`.
+        The budget must have passed `kvstore.results.check_budget`.
         """
         metas: list[BlockMeta] = [n.payload for n in match.nodes]
         wanted = budget_tokens if budget_tokens is not None else budget_to_tokens(budget, match.num_tokens)
@@ -238,16 +238,6 @@ class StoreIndex:
         for index in range(meta.num_chunks):
             self._policy.remove((meta.key, index))
         self._memory.delete_block(meta.key)
-
-
-def check_budget(budget: float, budget_tokens: int | None) -> None:
-    """Raise `InvalidInputError` unless the budget is a fraction in (0, 1] or a token count >= 1."""
-    if budget_tokens is not None:
-        if not isinstance(budget_tokens, int | np.integer) or budget_tokens < 1:
-            raise InvalidInputError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
-        return
-    if not isinstance(budget, int | float) or not 0.0 < float(budget) <= 1.0:
-        raise InvalidInputError(f"budget must be a fraction in (0, 1], got {budget!r}")
 
 
 def _slot_scores(meta: BlockMeta) -> np.ndarray:

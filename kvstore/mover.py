@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from importance.layout import importance_order
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk
+from kvstore.codec import ChunkId, decode_chunk, encode_chunk, reencode_raw
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, KVSieveError, StoreFullError, TierFullError
 from kvstore.index import LoadPlan, StoreIndex
@@ -83,7 +83,7 @@ class BlockMover:
             self._put_durable(tier, blocks, needed)
             self._counters.add(f"bytes_written.{tier.name}", needed)
         raw = self._config.codec == "raw"  # memory holds raw chunks: no zstd on the hot path
-        in_memory = [(m, c if raw else [_reencode_raw(x, model) for x in c]) for m, c in blocks]
+        in_memory = [(m, c if raw else [reencode_raw(x, model.dtype) for x in c]) for m, c in blocks]
         if not self.local_durable:  # memory is the only local copy: make room for all, or fail now
             self._index.reserve_memory(sum(len(x) for _, c in in_memory for x in c))
         for meta, chunks in in_memory:
@@ -170,16 +170,13 @@ class BlockMover:
 
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
         if self._config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
-            cid = meta.chunk_id(index)
-            data = memoryview(encode_chunk(cid, chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw"))
+            raw = encode_chunk(meta.chunk_id(index), chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw")
+            data = memoryview(raw)
         self._index.promote(meta, index, data)
 
     def local_metas(self) -> list[BlockMeta]:
-        """Every block record of the local disk tier (none without one), for the start-up rebuild.
-
-        Records that fail their checksum or identity check are skipped and counted
-        (`metadata_failures`): their prompts are misses until stored again.
-        """
+        """Every block record of the local disk tier, for the start-up rebuild. Records that
+        fail their checksum or identity check are skipped and counted (`metadata_failures`)."""
         if not self.local_durable:
             return []
         records = [m for _, m in cast("LmdbTier", self.local_durable[0]).iter_meta_raw()]
@@ -252,8 +249,3 @@ class BlockMover:
                 tier.put_blocks(blocks)
             except TierFullError as exc:
                 raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc
-
-
-def _reencode_raw(data: bytes, model: ModelSpec) -> bytes:
-    decoded = decode_chunk(data)
-    return encode_chunk(decoded.chunk_id, decoded.positions, decoded.kv, model.dtype, "raw")

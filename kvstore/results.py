@@ -156,3 +156,13 @@ def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) 
         if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
             raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {scores.shape}")
     return kv, scores
+
+
+def check_budget(budget: float, budget_tokens: int | None) -> None:
+    """Raise `InvalidInputError` unless the budget is a fraction in (0, 1] or a token count >= 1."""
+    if budget_tokens is not None:
+        if not isinstance(budget_tokens, int | np.integer) or budget_tokens < 1:
+            raise InvalidInputError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
+        return
+    if not isinstance(budget, int | float) or not 0.0 < float(budget) <= 1.0:
+        raise InvalidInputError(f"budget must be a fraction in (0, 1], got {budget!r}")

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from importance.history import accumulate, decay_factor
-from kvstore.api import Lease, LoadStream, PrefixStore, StoreInfo, Tokens
+from kvstore.api import Lease, LoadStream, StoreInfo, Tokens
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
-from kvstore.index import StoreIndex, check_budget
+from kvstore.index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.leases import LeaseTable
 from kvstore.lock import DataDirLock
@@ -37,6 +37,7 @@ from kvstore.results import (
     LocalLoadStream,
     LookupResult,
     StoreResult,
+    check_budget,
     gather_chunks,
     validate_kv,
 )
@@ -53,7 +54,6 @@ __all__ = [
     "LoadStream",
     "LoadedChunk",
     "LookupResult",
-    "PrefixStore",
     "StoreResult",
     "TieredStore",
     "gather_chunks",
@@ -101,6 +101,7 @@ class TieredStore:
         self.leases: LeaseTable = self.index.leases
         self.memory: MemoryTier = memory
         self.durable: list[Tier] = self.mover.durable
+        self.local_only = self.remote_link is None  # lookups never leave the process
         self._write_lock = threading.Lock()
         self._closed = False
         # A restarted store is warm: list every block of the local disk tier.
@@ -228,13 +229,6 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- the parts, for the sidecar, fsck-style tools and tests -------------------------
-
-    @property
-    def local_only(self) -> bool:
-        """True when lookups never leave the process (no remote tier to probe)."""
-        return self.remote_link is None
 
     # -- internals ----------------------------------------------------------------
 

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.config import LMDB_DATA_FILE
 from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError, TierFullError
 from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.meta import BlockMeta
 from kvstore.tiers.base import TierUsage
-from kvstore.tiers.lmdbfile import check_data_file, reserve_lock_file, write_error
+from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -223,13 +222,13 @@ class LmdbTier:
 
     def data_file(self) -> Path:
         """The LMDB data file (for cold-cache benchmarks)."""
-        return self._path / LMDB_DATA_FILE
+        return self._path / DATA_FILE
 
     def close(self) -> None:
         self._env.close()
 
     def _initial_map_size(self) -> int:
-        data_file = self._path / LMDB_DATA_FILE
+        data_file = self._path / DATA_FILE
         existing = data_file.stat().st_size if data_file.exists() else 0
         if self._capacity is None:
             return max(self._initial_map, existing)

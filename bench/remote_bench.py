@@ -86,7 +86,7 @@ def _remote_chunks(store: TieredStore, tokens: Any) -> list[bytes]:
     """The encoded chunks the store wrote remotely (to size the plain-GET baseline)."""
     from kvstore.keys import block_keys, namespace_digest
 
-    remote = store._remote()
+    remote = None if store.remote_link is None else store.remote_link.tier
     assert remote is not None
     keys = block_keys(tokens, store.config.block_tokens, MODEL.fingerprint, namespace_digest("default"))
     out: list[bytes] = []

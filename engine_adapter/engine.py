@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,16 +22,9 @@ from engine_adapter.attention import AttentionStats
 from engine_adapter.cache import cache_from
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling, cut_at_stop, next_tokens
+from kvstore.api import PrefixStore
 
 Messages = Sequence[dict[str, str]]
-
-
-if TYPE_CHECKING:
-    from kvstore.client import KVClient
-    from kvstore.store import TieredStore
-
-    #: What the engine reads and writes KV through: embedded or remote, same methods.
-    KVStoreLike = TieredStore | KVClient
 
 
 @dataclass
@@ -87,7 +80,7 @@ class Engine:
     def __init__(
         self,
         lm: LoadedModel,
-        store: KVStoreLike | None = None,
+        store: PrefixStore | None = None,
         namespace: str = "default",
         collect_stats: bool = True,
     ) -> None:
@@ -216,8 +209,7 @@ class Engine:
 
     def _block_tokens(self) -> int | None:
         """Block size of an embedded store; None for a sidecar (it drops partial blocks itself)."""
-        config = getattr(self.store, "config", None)
-        return int(config.block_tokens) if config is not None else None
+        return None if self.store is None else self.store.info.block_tokens
 
     # -- decode -------------------------------------------------------------------
 

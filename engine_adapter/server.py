@@ -35,12 +35,11 @@ from engine_adapter.dsl.run import Event, ProgramRun
 from engine_adapter.engine import Engine
 from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
 from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidInputError
+from kvstore.errors import InvalidInputError, PermissionDeniedError, UnauthenticatedError
 from kvstore.keys import validate_namespace
 from kvstore.server.auth import Authorizer
 from kvstore.server.config import ServerConfig
 from kvstore.transport import channel_options
-from kvstore.wire import PermissionDeniedError, UnauthenticatedError
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 

@@ -1,17 +1,19 @@
-"""KVClient: the gRPC client of the sidecar, with the same methods and result types
-as the embedded `TieredStore`, so callers switch between the two by configuration.
+"""KVClient: the `PrefixStore` of a sidecar, over gRPC.
+
+It implements `kvstore.api.PrefixStore` (the contract is documented there) like the
+embedded `TieredStore`, so callers switch between the two by configuration. It
+imports neither the store nor its tiers (no lmdb, no redis). Co-located with the
+server, loads arrive through shared memory (kvstore/client_arenas.py).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import mmap
 import os
-import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,12 +22,13 @@ import numpy as np
 from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
+from kvstore.api import Lease, StoreInfo, Tokens
+from kvstore.client_arenas import ArenaPool, ClientArena
 from kvstore.errors import KVSieveError
+from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
 from kvstore.keys import as_token_array, validate_namespace
-from kvstore.leases import Lease
 from kvstore.model import ModelSpec
-from kvstore.stats import StoreStats
-from kvstore.store import (
+from kvstore.results import (
     DEFAULT_NAMESPACE,
     LoadedChunk,
     LookupResult,
@@ -33,22 +36,16 @@ from kvstore.store import (
     gather_chunks,
     validate_kv,
 )
+from kvstore.server.status import error_for
+from kvstore.stats import StoreStats
 from kvstore.transport import channel_options, is_loopback
-from kvstore.wire import ctx_to_pb, error_for, kv_bytes, stats_from_pb
+from kvstore.wire import ctx_to_pb, kv_bytes, stats_from_pb
 
 Array = np.ndarray[Any, Any]
 
 
-class RpcFailedError(KVSieveError):
-    """A call failed with a status that maps to no domain error (UNAVAILABLE, DEADLINE_EXCEEDED)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
 class KVClient:
-    """Remote `TieredStore` over gRPC. Thread-safe (one channel, many calls).
+    """`PrefixStore` of a `kvsieve serve` sidecar. Thread-safe (one channel, many calls).
 
     Args:
         target: "HOST:PORT" or "unix:PATH" of a `kvsieve serve`.
@@ -81,17 +78,19 @@ class KVClient:
         self._shm = shm.available() and (is_loopback(target) if use_shm == "auto" else bool(use_shm))
         self._arenas = ArenaPool(self._create_arena)
 
-    def lookup(
-        self, tokens: Sequence[int] | Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
-    ) -> LookupResult:
-        """See `TieredStore.lookup`."""
+    @property
+    def info(self) -> StoreInfo:
+        """Unknown block and chunk size: the sidecar drops a trailing partial block itself."""
+        return StoreInfo(None, None)
+
+    def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
         request = pb.LookupRequest(ctx=_ctx(model, namespace), tokens=_tokens(tokens))
         reply = self._call(self._stub.Lookup, request)
         return LookupResult(reply.num_tokens, reply.num_blocks, reply.memory_blocks)
 
     def store(
         self,
-        tokens: Sequence[int] | Array,
+        tokens: Tokens,
         kv: Array,
         *,
         model: ModelSpec,
@@ -99,7 +98,7 @@ class KVClient:
         scores: Array | None = None,
         kv_start: int = 0,
     ) -> StoreResult:
-        """See `TieredStore.store`. KV travels in slices below the message limit."""
+        # KV travels in slices below the message limit.
         toks = _tokens(tokens)
         kv, scores = validate_kv(toks[kv_start:], kv, scores, model)  # fail before sending
         header = pb.StoreHeader(ctx=_ctx(model, namespace), tokens=toks, kv_start=kv_start)
@@ -122,14 +121,13 @@ class KVClient:
 
     def load(
         self,
-        tokens: Sequence[int] | Array,
+        tokens: Tokens,
         *,
         model: ModelSpec,
         namespace: str = DEFAULT_NAMESPACE,
         budget: float = 1.0,
         budget_tokens: int | None = None,
     ) -> RemoteLoadStream:
-        """See `TieredStore.load`. Chunks arrive through shared memory when co-located."""
         toks = _tokens(tokens)
         request = pb.LoadRequest(
             ctx=_ctx(model, namespace), tokens=toks, budget=budget, budget_tokens=budget_tokens or 0
@@ -148,21 +146,15 @@ class KVClient:
                 self._arenas.discard(arena)
             raise
 
-    def load_arrays(self, tokens: Sequence[int] | Array, **kwargs: Any) -> tuple[int, Array, Array]:
-        """See `TieredStore.load_arrays`. The arrays are copies: they outlive the stream."""
+    def load_arrays(self, tokens: Tokens, **kwargs: Any) -> tuple[int, Array, Array]:
+        """`load`, gathered: (prefix tokens covered, positions, kv); copies that outlive the stream."""
         with self.load(tokens, **kwargs) as stream:
             positions, kv = stream.gather(kwargs["model"])
             return stream.num_tokens, positions, np.array(kv)
 
     def report_scores(
-        self,
-        tokens: Sequence[int] | Array,
-        scores: Array,
-        *,
-        model: ModelSpec,
-        namespace: str = DEFAULT_NAMESPACE,
+        self, tokens: Tokens, scores: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
     ) -> int:
-        """See `TieredStore.report_scores`."""
         request = pb.ReportScoresRequest(
             ctx=_ctx(model, namespace),
             tokens=_tokens(tokens),
@@ -171,28 +163,20 @@ class KVClient:
         return int(self._call(self._stub.ReportScores, request).blocks_updated)
 
     def pin(
-        self,
-        tokens: Sequence[int] | Array,
-        *,
-        model: ModelSpec,
-        namespace: str = DEFAULT_NAMESPACE,
-        ttl_s: float = 60.0,
+        self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE, ttl_s: float = 60.0
     ) -> Lease:
-        """See `TieredStore.pin`. The lease's keys are not sent back: only their count."""
         request = pb.PinRequest(ctx=_ctx(model, namespace), tokens=_tokens(tokens), ttl_s=ttl_s)
         reply = self._call(self._stub.Pin, request)
-        return Lease(reply.lease_id, tuple(bytes(16) for _ in range(reply.num_blocks)), reply.ttl_s)
+        # The deadline is counted from receipt: never later than the server's own.
+        return Lease(reply.lease_id, reply.num_blocks, reply.ttl_s, time.monotonic() + reply.ttl_s)
 
     def unpin(self, lease_id: str) -> None:
-        """See `TieredStore.unpin`."""
         self._call(self._stub.Unpin, pb.UnpinRequest(lease_id=lease_id))
 
     def stats(self) -> StoreStats:
-        """See `TieredStore.stats`."""
         return stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
 
     def close(self) -> None:
-        """Release the shared-memory arenas and close the channel. Idempotent."""
         for arena in self._arenas.drain():
             self._arenas.orphan(arena.arena_id, arena.namespace)
         self._release_orphans()
@@ -238,93 +222,8 @@ class KVClient:
             raise _domain_error(exc) from None
 
 
-@dataclass
-class ClientArena:
-    """A server arena mapped read-only here, lent to one load at a time."""
-
-    arena_id: str
-    namespace: str
-    buf: mmap.mmap
-
-    def unmap(self) -> None:
-        """Unmap, unless numpy views still use it (then the GC unmaps later)."""
-        with contextlib.suppress(BufferError):
-            self.buf.close()
-
-
-class ArenaPool:
-    """The client's shared-memory arenas, per namespace: reused so their pages stay warm.
-
-    An arena is lent to one load at a time and comes back only when the caller
-    closes the stream (after which its chunk views must not be used). A load that
-    needs more room than the free arenas have gets a new arena sized to it, and
-    the smaller ones are released. A stream dropped without `close` leaves its
-    arena to the caller's views and asks the server to unmap it at the next call.
-
-    Args:
-        create: makes and maps a new arena (namespace, nbytes), or returns None.
-    """
-
-    KEEP_FREE = 4
-    MIN_BYTES = 1 << 20
-
-    def __init__(self, create: Callable[[str, int], ClientArena | None]) -> None:
-        self._create = create
-        self._free: list[ClientArena] = []
-        self._orphans: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-
-    def take(self, namespace: str, nbytes: int) -> ClientArena | None:
-        """A free arena of `namespace` with at least `nbytes`, or a new one (None if shm fails)."""
-        with self._lock:
-            mine = [a for a in self._free if a.namespace == namespace]
-            for arena in mine:
-                if len(arena.buf) >= nbytes:
-                    self._free.remove(arena)
-                    return arena
-            for arena in mine:  # too small for this load: grow by replacing them
-                self._free.remove(arena)
-                self._orphans.append((arena.arena_id, arena.namespace))
-                arena.unmap()
-        size = -(-max(nbytes, self.MIN_BYTES) // self.MIN_BYTES) * self.MIN_BYTES
-        return self._create(namespace, size)
-
-    def give(self, arena: ClientArena) -> None:
-        """Return an arena after its stream was closed."""
-        with self._lock:
-            if len(self._free) < self.KEEP_FREE:
-                self._free.append(arena)
-                return
-            self._orphans.append((arena.arena_id, arena.namespace))
-        arena.unmap()
-
-    def discard(self, arena: ClientArena) -> None:
-        """Give up an arena (the server did not use it, or the call failed); the server unmaps it."""
-        self.orphan(arena.arena_id, arena.namespace)
-        arena.unmap()
-
-    def orphan(self, arena_id: str, namespace: str) -> None:
-        """An arena the server should unmap (e.g. its stream was garbage-collected unclosed)."""
-        with self._lock:
-            self._orphans.append((arena_id, namespace))
-
-    def take_orphans(self) -> list[tuple[str, str]]:
-        """(arena id, namespace) pairs to release on the server."""
-        with self._lock:
-            orphans, self._orphans = self._orphans, []
-        return orphans
-
-    def drain(self) -> list[ClientArena]:
-        """Every free arena, removed from the pool and unmapped."""
-        with self._lock:
-            free, self._free = self._free, []
-        for arena in free:
-            arena.unmap()
-        return free
-
-
 class RemoteLoadStream:
-    """Iterator of `LoadedChunk` from a Load call; attributes as `LoadStream`'s.
+    """The client's `kvstore.api.LoadStream`: `LoadedChunk`s of a Load call.
 
     Use it as a context manager (or call `close`): closing hands the shared-memory
     arena back for reuse, so chunk views must not be used after it.
@@ -446,12 +345,8 @@ class RemoteLoadStream:
             self._dense = None
 
 
-def _domain_error(exc: grpc.RpcError) -> Exception:
-    code, details = exc.code(), exc.details() or ""
-    try:
-        return error_for(code, details)
-    except LookupError:
-        return RpcFailedError(code, details)
+def _domain_error(exc: grpc.RpcError) -> KVSieveError:
+    return error_for(exc.code(), exc.details() or "")
 
 
 def _ctx(model: ModelSpec, namespace: str) -> pb.RequestContext:
@@ -459,5 +354,5 @@ def _ctx(model: ModelSpec, namespace: str) -> pb.RequestContext:
     return ctx_to_pb(model, namespace)
 
 
-def _tokens(tokens: Sequence[int] | Array) -> Array:
+def _tokens(tokens: Tokens) -> Array:
     return as_token_array(tokens)

@@ -140,6 +140,12 @@ def decode_chunk(
     return DecodedChunk(chunk_id, codec, positions, kv)
 
 
+def reencode_raw(data: bytes | memoryview, dtype: str) -> bytes:
+    """The same chunk re-encoded uncompressed (what the memory tier holds: no zstd on reads)."""
+    decoded = decode_chunk(data)
+    return encode_chunk(decoded.chunk_id, decoded.positions, decoded.kv, dtype, "raw")
+
+
 def read_chunk_id(data: bytes | memoryview) -> ChunkId:
     """The identity in a chunk's header, without verifying the checksum (for diagnostics)."""
     fields = _HEADER.unpack_from(memoryview(data))

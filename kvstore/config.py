@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.codec import CODEC_IDS
 from kvstore.errors import InvalidInputError
+
+#: The file LMDB keeps its data in, inside its environment directory.
+LMDB_DATA_FILE = "data.mdb"
 
 
 @dataclass(frozen=True)
@@ -135,4 +139,14 @@ class StoreConfig:
     @property
     def lmdb_dir(self) -> Path | None:
         """Directory of the LMDB environment."""
-        return None if self.data_dir is None else Path(self.data_dir) / "lmdb"
+        return None if self.data_dir is None else store_lmdb_dir(self.data_dir)
+
+
+def store_lmdb_dir(data_dir: str | os.PathLike[str]) -> Path:
+    """The LMDB environment of a store's data directory."""
+    return Path(data_dir) / "lmdb"
+
+
+def store_data_file(data_dir: str | os.PathLike[str]) -> Path:
+    """The LMDB data file of a store's data directory (what fsck and relayout look for)."""
+    return store_lmdb_dir(data_dir) / LMDB_DATA_FILE

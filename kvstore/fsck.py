@@ -21,19 +21,21 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.codec import ChunkId, decode_chunk
-from kvstore.errors import ChecksumError, DamagedStoreError, KVSieveError, StorageUnavailableError
-from kvstore.keys import ROOT_KEY
+from kvstore.codec import decode_chunk
+from kvstore.config import store_data_file, store_lmdb_dir
+from kvstore.errors import (
+    ChecksumError,
+    DamagedStoreError,
+    FsckCannotRunError,
+    StorageUnavailableError,
+)
+from kvstore.keys import ROOT_KEY, parse_chunk_key
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.progress import progress_bar
 from kvstore.tiers.lmdb import LmdbTier
 
 EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3
-
-
-class FsckCannotRunError(KVSieveError):
-    """fsck could not check anything (no store at the path, the check process failed)."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,9 @@ def fsck(data_dir: str | Path, repair: bool = False, progress: bool = False) -> 
         FsckCannotRunError: no store under `data_dir`.
         DataDirBusyError: a server holds the directory (with `repair`) or a job rewrites it.
     """
-    lmdb_dir = Path(data_dir) / "lmdb"
-    if not (lmdb_dir / "data.mdb").exists():
-        raise FsckCannotRunError(f"no kvsieve store under {data_dir} (expected {lmdb_dir}/data.mdb)")
+    lmdb_dir, data_file = store_lmdb_dir(data_dir), store_data_file(data_dir)
+    if not data_file.exists():
+        raise FsckCannotRunError(f"no kvsieve store under {data_dir} (expected {data_file})")
     purpose = "fsck --repair" if repair else "fsck"
     with DataDirLock(data_dir, exclusive=repair, purpose=purpose):
         try:
@@ -127,7 +129,7 @@ def fsck_isolated(data_dir: str | Path, repair: bool = False, progress: bool = F
         return outcome
     if isinstance(outcome, BaseException):
         raise outcome
-    data_file = Path(data_dir) / "lmdb" / "data.mdb"
+    data_file = store_data_file(data_dir)
     if child.exitcode is not None and child.exitcode < 0:
         name = signal.Signals(-child.exitcode).name
         return FsckReport(unreadable=f"the check died with {name} while reading {data_file}: it is damaged")
@@ -168,13 +170,11 @@ def _check(tier: LmdbTier, repair: bool, progress: bool) -> FsckReport:
             bad.add(meta.key)
     bad |= _orphans(metas, report)
     orphan_chunks, stale_chunks = _stray_chunks(tier, metas, skip=bad)
-    report.problems += [
-        FsckProblem(k[:16].hex(), "orphan-chunk", "no block refers to it") for k in orphan_chunks
-    ]
-    report.problems += [
-        FsckProblem(k[:16].hex(), "stale-chunk", f"layout {int.from_bytes(k[16:20], 'big')} is not current")
-        for k in stale_chunks
-    ]
+    for parts in map(parse_chunk_key, orphan_chunks):
+        report.problems.append(FsckProblem(parts.block_key.hex(), "orphan-chunk", "no block refers to it"))
+    for parts in map(parse_chunk_key, stale_chunks):
+        detail = f"layout {parts.layout_version} is not current"
+        report.problems.append(FsckProblem(parts.block_key.hex(), "stale-chunk", detail))
     if repair and report.problems:
         doomed = _with_descendants(bad, metas)
         for key in doomed:
@@ -194,7 +194,7 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
             problems.append(FsckProblem(meta.key.hex(), "missing-chunk", f"chunk {index} absent"))
             continue
         total += len(data)
-        expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+        expect = meta.chunk_id(index)
         try:
             decode_chunk(data, expect)
         except ChecksumError as exc:
@@ -229,12 +229,13 @@ def _stray_chunks(
     """(chunks of no block, chunks of a live block's older layout); blocks in `skip` excluded."""
     orphans, stale = [], []
     for key in tier.iter_chunk_keys():
-        meta = metas.get(key[:16])
-        if key[:16] in skip:
+        parts = parse_chunk_key(key)
+        if parts.block_key in skip:
             continue  # a bad block's chunks go with it
+        meta = metas.get(parts.block_key)
         if meta is None:
             orphans.append(key)
-        elif int.from_bytes(key[16:20], "big") != meta.layout_version:
+        elif parts.layout_version != meta.layout_version:
             stale.append(key)
     return orphans, stale
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -17,8 +17,33 @@ from kvstore.errors import InvalidInputError
 
 KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
+#: Where a prefix's blocks hang in the index: (namespace digest, model fingerprint).
+Root = tuple[bytes, bytes]
 _MAX_TOKEN_ID = 2**32 - 1
 _NAMESPACE_MAX_CHARS = 256
+
+
+class ChunkKey(NamedTuple):
+    """The parts of a chunk's storage key (see `chunk_key`)."""
+
+    block_key: bytes
+    layout_version: int
+    chunk_index: int
+
+
+def chunk_key(block_key: bytes, layout_version: int, chunk_index: int) -> bytes:
+    """Storage key of one chunk: block key, layout version (u32), chunk index (u16), big-endian,
+    so that a block's chunks sort together and by layout."""
+    return block_key + layout_version.to_bytes(4, "big") + chunk_index.to_bytes(2, "big")
+
+
+def parse_chunk_key(key: bytes) -> ChunkKey:
+    """Inverse of `chunk_key`."""
+    return ChunkKey(
+        key[:KEY_BYTES],
+        int.from_bytes(key[KEY_BYTES : KEY_BYTES + 4], "big"),
+        int.from_bytes(key[KEY_BYTES + 4 : KEY_BYTES + 6], "big"),
+    )
 
 
 def namespace_digest(namespace: str) -> bytes:

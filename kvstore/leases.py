@@ -1,7 +1,8 @@
 """Leases: pins on blocks that expire by themselves.
 
 A client that dies without unpinning must not keep blocks pinned forever, so every
-pin is a lease with a time to live; expired leases are swept on each access.
+pin is a lease with a time to live; expired leases are swept on each access. The
+table hands out `kvstore.api.Lease` values and keeps the pinned keys to itself.
 """
 
 from __future__ import annotations
@@ -10,18 +11,15 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
+from kvstore.api import Lease
 from kvstore.errors import InvalidInputError, NotFoundError
 
 
-@dataclass(frozen=True)
-class Lease:
-    """A pin on some blocks until `expires_at` (monotonic seconds)."""
-
-    lease_id: str
+class _Held(NamedTuple):
+    lease: Lease
     keys: tuple[bytes, ...]
-    expires_at: float
 
 
 class LeaseTable:
@@ -36,7 +34,7 @@ class LeaseTable:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pin, self._unpin, self._clock = pin, unpin, clock
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self.expired_total = 0
 
@@ -45,25 +43,31 @@ class LeaseTable:
         if not 0 < ttl_s <= self.MAX_TTL_S:
             raise InvalidInputError(f"ttl_s must be in (0, {self.MAX_TTL_S:.0f}], got {ttl_s}")
         self.sweep()
-        lease = Lease(secrets.token_hex(16), tuple(keys), self._clock() + ttl_s)
+        held = _Held(Lease(secrets.token_hex(16), len(keys), ttl_s, self._clock() + ttl_s), tuple(keys))
         with self._lock:
-            self._pin(lease.keys)
-            self._leases[lease.lease_id] = lease
-        return lease
+            self._pin(held.keys)
+            self._leases[held.lease.lease_id] = held
+        return held.lease
 
     def release(self, lease_id: str) -> None:
         """Unpin a lease. Mutates. NotFoundError if unknown or already expired."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            held = self._leases.pop(lease_id, None)
+            if held is None:
                 raise NotFoundError(f"unknown lease {lease_id!r} (never granted, released or expired)")
-            self._unpin(lease.keys)
+            self._unpin(held.keys)
+
+    def keys_of(self, lease_id: str) -> tuple[bytes, ...]:
+        """The block keys a live lease pins (empty if it is unknown or gone)."""
+        with self._lock:
+            held = self._leases.get(lease_id)
+            return () if held is None else held.keys
 
     def sweep(self) -> int:
         """Release expired leases. Mutates. Returns how many expired."""
         now = self._clock()
         with self._lock:
-            expired = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
+            expired = [lid for lid, held in self._leases.items() if held.lease.expires_at <= now]
             for lid in expired:
                 self._unpin(self._leases.pop(lid).keys)
             self.expired_total += len(expired)

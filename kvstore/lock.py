@@ -12,13 +12,9 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvstore.errors import KVSieveError
+from kvstore.errors import DataDirBusyError
 
 LOCK_NAME = "kvsieve.lock"
-
-
-class DataDirBusyError(KVSieveError):
-    """Another process holds the data directory in a conflicting mode."""
 
 
 class DataDirLock:

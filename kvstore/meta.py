@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvstore.codec import ChunkId
 from kvstore.errors import ChecksumError
 from kvstore.keys import ROOT_KEY, block_key
 
@@ -81,6 +82,11 @@ class BlockMeta:
         """Offsets within the block of the tokens stored in chunk `chunk_index`."""
         lo = chunk_index * self.chunk_tokens
         return self.permutation[lo : lo + self.chunk_tokens]
+
+    def chunk_id(self, chunk_index: int, layout_version: int | None = None) -> ChunkId:
+        """Identity of chunk `chunk_index` in this block's layout (or in `layout_version`)."""
+        version = self.layout_version if layout_version is None else layout_version
+        return ChunkId(self.fingerprint, self.namespace, self.key, version, chunk_index)
 
     def with_layout(self, layout_version: int, permutation: np.ndarray[Any, Any], nbytes: int) -> BlockMeta:
         """A copy with a new layout (used by re-layout)."""

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from importance.layout import chunks_for_top, importance_order, layout_change
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk
+from importance.layout import budget_to_tokens, chunks_for_top, importance_order, layout_change
+from kvstore.codec import decode_chunk, encode_chunk
+from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
+from kvstore.keys import parse_chunk_key
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.progress import progress_bar
@@ -59,11 +61,10 @@ def relayout(
         raise ValueError(f"min_change must be in [0, 1], got {min_change}")
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    lmdb_dir = Path(data_dir) / "lmdb"
-    if not (lmdb_dir / "data.mdb").exists():
-        raise FileNotFoundError(f"no kvsieve store under {data_dir} (expected {lmdb_dir}/data.mdb)")
+    if not store_data_file(data_dir).exists():
+        raise FileNotFoundError(f"no kvsieve store under {data_dir} (expected {store_data_file(data_dir)})")
     with DataDirLock(data_dir, exclusive=True, purpose="relayout"):
-        tier = LmdbTier(lmdb_dir)
+        tier = LmdbTier(store_lmdb_dir(data_dir))
         try:
             return _run(tier, min_change, fraction, dry_run, progress)
         finally:
@@ -81,7 +82,7 @@ def _run(tier: LmdbTier, min_change: float, fraction: float, dry_run: bool, prog
         if meta.scores is None:
             continue
         report.blocks_scored += 1
-        top = max(1, int(np.ceil(fraction * meta.num_tokens - 1e-9)))
+        top = max(1, budget_to_tokens(fraction, meta.num_tokens))
         wanted += top
         before = chunks_for_top(meta.scores, meta.permutation, fraction, meta.chunk_tokens)
         read_before += before * meta.chunk_tokens
@@ -114,7 +115,7 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
         for index, data in zip(indices, tier.get_chunks(meta, indices), strict=True):
             if data is None:
                 return None
-            expect = ChunkId(meta.fingerprint, meta.namespace, meta.key, meta.layout_version, index)
+            expect = meta.chunk_id(index)
             chunk = decode_chunk(data, expect)
             codec = chunk.codec
             if block_kv is None:
@@ -129,7 +130,7 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
     chunks = []
     for index in indices:
         offsets = new_perm[index * meta.chunk_tokens : (index + 1) * meta.chunk_tokens]
-        cid = ChunkId(meta.fingerprint, meta.namespace, meta.key, version, index)
+        cid = meta.chunk_id(index, version)
         kv = block_kv[:, :, :, offsets]
         chunks.append(encode_chunk(cid, meta.start + offsets, kv, dtype, codec))
     new_meta = meta.with_layout(version, new_perm, sum(len(c) for c in chunks))
@@ -151,7 +152,8 @@ def _fault_point(name: str) -> None:
 def _sweep_stale_chunks(tier: LmdbTier) -> int:
     """Delete chunks of old layouts (left by a job killed between its two transactions)."""
     current = {m.key: m.layout_version for m in tier.iter_meta()}
-    stale = [k for k in tier.iter_chunk_keys() if current.get(k[:16]) != int.from_bytes(k[16:20], "big")]
+    keys = [(k, parse_chunk_key(k)) for k in tier.iter_chunk_keys()]
+    stale = [k for k, parts in keys if current.get(parts.block_key) != parts.layout_version]
     if stale:
         tier.delete_chunk_keys(stale)
     return len(stale)

@@ -20,11 +20,21 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvstore.config import StoreConfig
+from kvstore.errors import RemoteUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierFullError
+from kvstore.stats import Counters
 from kvstore.tiers.breaker import CircuitBreaker
-from kvstore.tiers.redis import RedisTier, RemoteUnavailableError
+from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.writebehind import WriteBehind
+
+
+def open_link(config: StoreConfig, counters: Counters) -> RemoteLink:
+    """The store's link to the remote tier of `config`, counting what it writes in `counters`."""
+
+    def written(nbytes: int) -> None:
+        counters.add_many({"bytes_written.redis": nbytes, "remote.writes": 1})
+
+    return RemoteLink(config, on_written=written)
 
 
 class RemoteLink:

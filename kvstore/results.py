@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import collections
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,25 +48,38 @@ class LoadedChunk:
     nbytes: int
 
 
-class LoadStream:
-    """Iterator of `LoadedChunk`, fastest tier first, block by block.
+class LocalLoadStream:
+    """The embedded store's `kvstore.api.LoadStream`: chunks of blocks read one at a time.
 
-    Attributes (final once exhausted):
+    Args:
         matched_tokens: prefix length the lookup promised.
-        num_tokens: prefix length actually delivered (shorter if a block was corrupt).
         selected_tokens: tokens the budget selected.
-        delivered_tokens: tokens in the delivered chunks (>= selected within full chunks).
-        bytes_read: encoded bytes read from all tiers.
+        token_bytes: KV bytes of one token (for read amplification).
+        block_tokens: tokens per block (a lost block ends the stream at its start).
+        blocks: each block's verified chunks in order; None for a lost block, which ends it.
+        on_finish: called once when the stream is exhausted (the store's counters).
     """
 
-    def __init__(self, matched_tokens: int, selected_tokens: int, token_bytes: int) -> None:
+    def __init__(
+        self,
+        matched_tokens: int,
+        selected_tokens: int,
+        token_bytes: int,
+        block_tokens: int,
+        blocks: Iterator[list[LoadedChunk] | None],
+        on_finish: Callable[[LocalLoadStream], None] = lambda stream: None,
+    ) -> None:
         self.matched_tokens = matched_tokens
         self.num_tokens = matched_tokens
         self.selected_tokens = selected_tokens
         self.delivered_tokens = 0
         self.bytes_read = 0
         self._token_bytes = token_bytes
-        self._source: Iterator[LoadedChunk] = iter(())
+        self._block_tokens = block_tokens
+        self._blocks = blocks
+        self._blocks_read = 0
+        self._pending: collections.deque[LoadedChunk] = collections.deque()
+        self._on_finish: Callable[[LocalLoadStream], None] | None = on_finish
 
     @property
     def read_amplification(self) -> float:
@@ -77,17 +91,46 @@ class LoadStream:
         return self
 
     def __next__(self) -> LoadedChunk:
-        return next(self._source)
+        while not self._pending:
+            if self._on_finish is None:  # finished or closed
+                raise StopIteration
+            try:
+                block = next(self._blocks)
+            except StopIteration:
+                self._finish(lost_block=False)
+                raise
+            if block is None:
+                self._finish(lost_block=True)
+                raise StopIteration
+            self._blocks_read += 1
+            self._pending.extend(block)
+        chunk = self._pending.popleft()
+        self.bytes_read += chunk.nbytes
+        self.delivered_tokens += len(chunk.positions)
+        return chunk
 
     def gather(self, model: ModelSpec) -> tuple[Array, Array]:
         """Read the rest of the stream into (positions (n,), kv (layers, 2, heads, n, dim))."""
         return gather_chunks(list(self), model)
 
-    def __enter__(self) -> LoadStream:
+    def close(self) -> None:
+        """Stop reading; the chunks already read stay valid. Idempotent."""
+        self._blocks = iter(())
+        self._pending.clear()
+        self._on_finish = None
+
+    def __enter__(self) -> LocalLoadStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._source = iter(())
+        self.close()
+
+    def _finish(self, lost_block: bool) -> None:
+        if lost_block:  # the prefix delivered ends where the lost block starts
+            self.num_tokens = self._blocks_read * self._block_tokens
+        on_finish, self._on_finish = self._on_finish, None
+        if on_finish is not None:
+            on_finish(self)
 
 
 def gather_chunks(chunks: Sequence[LoadedChunk], model: ModelSpec) -> tuple[Array, Array]:
@@ -113,3 +156,13 @@ def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) 
         if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
             raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {scores.shape}")
     return kv, scores
+
+
+def check_budget(budget: float, budget_tokens: int | None) -> None:
+    """Raise `InvalidInputError` unless the budget is a fraction in (0, 1] or a token count >= 1."""
+    if budget_tokens is not None:
+        if not isinstance(budget_tokens, int | np.integer) or budget_tokens < 1:
+            raise InvalidInputError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
+        return
+    if not isinstance(budget, int | float) or not 0.0 < float(budget) <= 1.0:
+        raise InvalidInputError(f"budget must be a fraction in (0, 1], got {budget!r}")

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 
 SHM_DIR = Path("/dev/shm")
@@ -67,7 +68,7 @@ class ServerArena:
     def create(cls, nbytes: int) -> ServerArena:
         """Make an arena of exactly `nbytes`. OSError (ENOMEM, ENOSPC) if the memory is not there."""
         if nbytes < 1:
-            raise ValueError(f"arena nbytes must be >= 1, got {nbytes}")
+            raise InvalidInputError(f"arena nbytes must be >= 1, got {nbytes}")
         fd = os.memfd_create(ARENA_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)

@@ -1,67 +1,27 @@
-"""Conversions between protobuf messages and domain types, and the error -> status map.
+"""Conversions between protobuf messages and domain types.
 
 The one place that knows both worlds: the servicer and the client call these and
-nothing else touches message fields by hand.
+nothing else touches message fields by hand. Errors map to status codes in
+kvstore/server/status.py (re-exported here for older callers).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.errors import (
-    ChecksumError,
-    InvalidInputError,
-    NotFoundError,
-    StorageUnavailableError,
-    StoreFullError,
-)
+from kvstore.errors import InvalidInputError
+from kvstore.errors import PermissionDeniedError as PermissionDeniedError  # re-export (old home)
+from kvstore.errors import UnauthenticatedError as UnauthenticatedError  # re-export (old home)
 from kvstore.model import ModelSpec
+from kvstore.server.status import error_for as error_for  # re-export (old home)
+from kvstore.server.status import status_for as status_for  # re-export (old home)
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierUsage
 
 Array = np.ndarray[Any, Any]
-
-
-class PermissionDeniedError(Exception):
-    """The caller's token does not grant the namespace or lease it asked for."""
-
-
-class UnauthenticatedError(Exception):
-    """No valid bearer token."""
-
-
-# Domain errors -> gRPC status codes: the single mapping of the service.
-_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (StorageUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (ChecksumError, grpc.StatusCode.DATA_LOSS),
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-]
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status code a domain error maps to (INTERNAL for anything unexpected)."""
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def error_for(code: grpc.StatusCode, details: str) -> Exception:
-    """Inverse of `status_for` on the client: the domain error for a status, or None."""
-    for cls, mapped in _STATUS:
-        # UNAVAILABLE also means "server gone": the client keeps it as RpcFailedError.
-        if mapped == code and cls not in (ValueError, StorageUnavailableError):
-            return cls(details)
-    raise LookupError(code)
 
 
 def model_to_pb(model: ModelSpec) -> pb.ModelSpec:

@@ -13,6 +13,7 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 
 from bench.sidecar import Sidecar
+from kvstore.api import PrefixStore
 from kvstore.client import KVClient
 from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
@@ -251,7 +252,7 @@ def test_redis_evicting_at_maxmemory_gives_misses_never_wrong_kv(tmp_path: Path)
     assert evicted > 0 and min(expected) < 128 and sum(covered_all) <= sum(expected)
 
 
-def _surviving_prefix(client: Any, tokens: np.ndarray[Any, Any], model: ModelSpec) -> int:
+def _surviving_prefix(client: PrefixStore, tokens: np.ndarray[Any, Any], model: ModelSpec) -> int:
     """Tokens up to the first block with any key evicted (metadata or one of its 4 chunks)."""
     keys = block_keys(tokens, B, model.fingerprint, namespace_digest(DEFAULT_NAMESPACE))
     for index, key in enumerate(keys):

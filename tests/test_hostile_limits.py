@@ -126,12 +126,12 @@ def test_expired_leases_are_pruned_from_the_tenant_map() -> None:
         max_leases=10, max_pinned_bytes=None, block_bytes=lambda key: 1, clock=lambda: now[0]
     )
     for i in range(10):
-        table.admit("a", Lease(f"lease-{i}", (b"k",), expires_at=5.0))
+        table.admit("a", Lease(f"lease-{i}", 1, ttl_s=5.0, expires_at=5.0), (b"k",))
     with pytest.raises(LimitExceededError):
-        table.admit("a", Lease("one-more", (b"k",), expires_at=5.0))
+        table.admit("a", Lease("one-more", 1, ttl_s=5.0, expires_at=5.0), (b"k",))
     now[0] = 5.0
     assert table.namespace_of("lease-0") is None and len(table) == 0  # every expired entry is gone
-    table.admit("a", Lease("fresh", (b"k",), expires_at=10.0))
+    table.admit("a", Lease("fresh", 1, ttl_s=10.0, expires_at=10.0), (b"k",))
     assert table.count(frozenset({"a"})) == 1
 
 

@@ -19,6 +19,7 @@ from bench.sidecar import Sidecar, free_port
 from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
+from kvstore.api import PrefixStore
 from kvstore.client import KVClient, RpcFailedError
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, NotFoundError
@@ -36,7 +37,7 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
 
 
 @pytest.fixture(params=["embedded", "grpc", "grpc-shm"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PrefixStore]:
     """The same API, embedded or remote; each test uses its own namespace."""
     if request.param == "embedded":
         config = StoreConfig(data_dir=tmp_path / "embedded", block_tokens=32, chunk_tokens=8)
@@ -53,7 +54,7 @@ def ns(request: pytest.FixtureRequest) -> str:
     return request.node.name[:200]
 
 
-def test_contract_store_lookup_load(backend: Any, ns: str) -> None:
+def test_contract_store_lookup_load(backend: PrefixStore, ns: str) -> None:
     tokens, kv = make_tokens(100, seed=1), make_kv(TINY, 100, seed=1)
     result = backend.store(tokens, kv, model=TINY, namespace=ns)
     assert (result.num_tokens, result.new_blocks) == (96, 3)
@@ -64,14 +65,14 @@ def test_contract_store_lookup_load(backend: Any, ns: str) -> None:
     assert backend.store(tokens, kv, model=TINY, namespace=ns).new_blocks == 0
 
 
-def test_contract_namespaces_isolate(backend: Any, ns: str) -> None:
+def test_contract_namespaces_isolate(backend: PrefixStore, ns: str) -> None:
     tokens, kv = make_tokens(64, seed=2), make_kv(TINY, 64, seed=2)
     backend.store(tokens, kv, model=TINY, namespace=ns)
     assert backend.lookup(tokens, model=TINY, namespace=ns + "-other").num_tokens == 0
     assert backend.load_arrays(tokens, model=TINY, namespace=ns + "-other")[0] == 0
 
 
-def test_contract_partial_budget(backend: Any, ns: str) -> None:
+def test_contract_partial_budget(backend: PrefixStore, ns: str) -> None:
     tokens, kv = make_tokens(64, seed=3), make_kv(TINY, 64, seed=3)
     scores = np.linspace(0, 1, 64).astype(np.float32)
     backend.store(tokens, kv, model=TINY, namespace=ns, scores=scores)
@@ -86,11 +87,11 @@ def test_contract_partial_budget(backend: Any, ns: str) -> None:
         stream.close()
 
 
-def _short_kv(b: Any, ns: str) -> Any:
+def _short_kv(b: PrefixStore, ns: str) -> Any:
     return b.store(make_tokens(64), make_kv(TINY, 63), model=TINY, namespace=ns)
 
 
-def _wrong_dtype(b: Any, ns: str) -> Any:
+def _wrong_dtype(b: PrefixStore, ns: str) -> Any:
     return b.store(make_tokens(64), make_kv(TINY, 64).astype(np.float32), model=TINY, namespace=ns)
 
 
@@ -104,7 +105,7 @@ def _wrong_dtype(b: Any, ns: str) -> Any:
     ],
 )
 def test_contract_bad_input_is_invalid_and_writes_nothing(
-    backend: Any, ns: str, call: Any, message: str
+    backend: PrefixStore, ns: str, call: Any, message: str
 ) -> None:
     with pytest.raises(InvalidInputError, match=message):
         result = call(backend, ns)
@@ -112,17 +113,17 @@ def test_contract_bad_input_is_invalid_and_writes_nothing(
     assert backend.lookup(make_tokens(64), model=TINY, namespace=ns).num_tokens == 0
 
 
-def test_contract_leases(backend: Any, ns: str) -> None:
+def test_contract_leases(backend: PrefixStore, ns: str) -> None:
     tokens = make_tokens(64, seed=4)
     backend.store(tokens, make_kv(TINY, 64, seed=4), model=TINY, namespace=ns)
     lease = backend.pin(tokens, model=TINY, namespace=ns, ttl_s=30)
-    assert len(lease.keys) == 2
+    assert lease.num_keys == 2 and lease.ttl_s == 30
     backend.unpin(lease.lease_id)
     with pytest.raises(NotFoundError):
         backend.unpin(lease.lease_id)
 
 
-def test_contract_report_scores_and_stats(backend: Any, ns: str) -> None:
+def test_contract_report_scores_and_stats(backend: PrefixStore, ns: str) -> None:
     tokens = make_tokens(64, seed=5)
     backend.store(tokens, make_kv(TINY, 64, seed=5), model=TINY, namespace=ns)
     assert backend.report_scores(tokens, np.ones(64, np.float32), model=TINY, namespace=ns) == 2

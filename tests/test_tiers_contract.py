@@ -116,26 +116,47 @@ def test_other_layout_version_is_not_returned(tier: Tier) -> None:
     assert tier.get_chunks(newer, [0]) == [None]
 
 
-def test_memory_tier_evicts_least_recently_used_chunks() -> None:
+def test_put_blocks_stores_every_block(tier: Tier) -> None:
+    blocks = [make_block(50), make_block(51, num_chunks=2)]
+    tier.put_blocks(blocks)
+    for meta, chunks in blocks:
+        assert [bytes(c) for c in tier.get_chunks(meta, range(len(chunks))) if c] == chunks
+    assert (tier.usage().num_blocks, tier.usage().num_chunks) == (2, 6)
+
+
+def test_put_blocks_replaces_without_double_counting(tier: Tier) -> None:
+    meta, chunks = make_block(52)
+    tier.put_blocks([(meta, chunks)])
+    tier.put_blocks([(meta, chunks), make_block(53)])
+    assert tier.usage().num_blocks == 2
+    assert tier.usage().used_bytes == meta.nbytes + make_block(53)[0].nbytes
+
+
+@pytest.mark.parametrize("kind", ["memory", "lmdb"])
+def test_put_blocks_that_do_not_fit_keep_nothing(kind: str, tmp_path: Path) -> None:
+    first, c_first = make_block(54, num_chunks=1)
+    if kind == "memory":
+        tier = create_tier("memory", capacity_bytes=first.nbytes + 10)
+        big = [bytes(first.nbytes)]
+    else:
+        tier = create_tier("lmdb", path=tmp_path / "l", capacity_bytes=1 << 20)  # 64 MiB map
+        big = [bytes(80 << 20)]
+    second, _ = make_block(55, num_chunks=1)
+    with pytest.raises(TierFullError):
+        tier.put_blocks([(first, c_first), (second, big)])
+    assert tier.usage().num_blocks == 0 and not tier.contains(first.key)
+    tier.close()
+
+
+def test_memory_tier_never_evicts_by_itself() -> None:
     a, ca = make_block(12)
     b, cb = make_block(13)
     tier = create_tier("memory", capacity_bytes=a.nbytes + b.nbytes // 2)
     tier.put_block(a, ca)
-    tier.get_chunks(a, [2, 3])  # chunks 2 and 3 of a become the most recent
-    tier.put_block(b, cb)
-    held = tier.get_chunks(a, [0, 1, 2, 3])
-    assert [h is not None for h in held] == [False, False, True, True]
-    assert all(c is not None for c in tier.get_chunks(b, [0, 1, 2, 3]))
-
-
-def test_memory_tier_keeps_pinned_blocks() -> None:
-    a, ca = make_block(14)
-    b, cb = make_block(15)
-    tier = create_tier("memory", capacity_bytes=a.nbytes + 10, is_pinned=lambda key: key == a.key)
-    tier.put_block(a, ca)
-    with pytest.raises(TierFullError):
+    with pytest.raises(TierFullError, match="do not fit"):
         tier.put_block(b, cb)
-    assert all(c is not None for c in tier.get_chunks(a, [0, 1, 2, 3]))
+    assert all(c is not None for c in tier.get_chunks(a, [0, 1, 2, 3]))  # the index decides, not the tier
+    assert not tier.contains(b.key)
 
 
 def test_lmdb_block_survives_reopen(tmp_path: Path) -> None:
@@ -166,35 +187,3 @@ def test_lmdb_full_map_with_a_budget_is_a_clear_error(tmp_path: Path) -> None:
         t.put_block(meta, [bytes(80 << 20)])
     assert t.usage().num_blocks == 0
     t.close()
-
-
-def test_score_policy_evicts_low_importance_chunks_first() -> None:
-    from dataclasses import replace
-
-    from kvstore.tiers.memory import ScorePolicy
-
-    a, ca = make_block(40)
-    b, cb = make_block(41)
-    # Importance order: a's chunk 0 holds most of its mass, chunk 3 the least.
-    a = replace(a, scores=np.array([8, 8, 4, 4, 2, 2, 1, 1], dtype=np.float32))
-    b = replace(b, scores=np.array([8, 8, 4, 4, 2, 2, 1, 1], dtype=np.float32))
-    tier = create_tier("memory", capacity_bytes=a.nbytes + b.nbytes // 2, policy=ScorePolicy())
-    tier.put_block(a, ca)
-    tier.put_block(b, cb)  # needs two of a's chunks' room: the two least important go
-    assert [c is not None for c in tier.get_chunks(a, [0, 1, 2, 3])] == [True, True, False, False]
-
-
-def test_score_policy_weighs_access_frequency() -> None:
-    from kvstore.tiers.memory import ScorePolicy
-
-    a, ca = make_block(42)
-    b, cb = make_block(43)
-    c, cc = make_block(44)
-    tier = create_tier("memory", capacity_bytes=2 * a.nbytes, policy=ScorePolicy())
-    tier.put_block(a, ca)
-    tier.put_block(b, cb)
-    for _ in range(3):
-        tier.get_chunks(a, [0, 1, 2, 3])  # a is read often, b never
-    tier.put_block(c, cc)
-    assert all(x is not None for x in tier.get_chunks(a, [0, 1, 2, 3]))
-    assert all(x is None for x in tier.get_chunks(b, [0, 1, 2, 3]))

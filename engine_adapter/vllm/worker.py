@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from engine_adapter.vllm import layout
 from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import LoadOp, SaveOp
+from kvstore.api import PrefixStore
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 
@@ -46,14 +47,16 @@ class WorkerSide:
     """The connector's worker half. Single-threaded (vLLM's model runner thread).
 
     Args:
-        client: a `KVClient` (or anything with its `load` and `store`).
+        client: the store: a `KVClient`, or any `PrefixStore` (an embedded one in tests).
         spec: the model's identity and KV shape.
         namespace: tenant of every call.
         block_size: tokens per vLLM cache block.
         guard: the circuit breaker around sidecar calls.
     """
 
-    def __init__(self, client: Any, spec: ModelSpec, namespace: str, block_size: int, guard: SidecarGuard):
+    def __init__(
+        self, client: PrefixStore, spec: ModelSpec, namespace: str, block_size: int, guard: SidecarGuard
+    ):
         self.client = client
         self.spec = spec
         self.namespace = namespace

@@ -16,13 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.errors import NotFoundError, StoreFullError
+from kvstore.errors import ArenaLimitError, NotFoundError, PermissionDeniedError
 from kvstore.shm import ArenaRef, ServerArena, process_alive
-from kvstore.wire import PermissionDeniedError
-
-
-class ArenaLimitError(StoreFullError):
-    """No arena can be made within the shm limits (maps to RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True)

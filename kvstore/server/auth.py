@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Mapping
 
-from kvstore.wire import PermissionDeniedError, UnauthenticatedError
+from kvstore.errors import PermissionDeniedError, UnauthenticatedError
 
 ADMIN = "*"
 

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore.api import LoadedChunk, LoadStream
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 from kvstore.shm import ServerArena, dense_view
-from kvstore.store import LoadedChunk, LoadStream
 from kvstore.wire import kv_from_bytes
 
 

@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvstore.errors import InvalidInputError, StoreFullError
-from kvstore.leases import Lease
-
-
-class LimitExceededError(StoreFullError):
-    """A server limit or tenant quota refuses the request (maps to RESOURCE_EXHAUSTED)."""
+from kvstore.api import Lease
+from kvstore.errors import InvalidInputError, LimitExceededError
 
 
 class ByteBudget:
@@ -74,9 +70,14 @@ def tokens_array(tokens: Any, limit: int, field_name: str) -> np.ndarray[Any, An
     return out
 
 
+class _Pinned(NamedTuple):
+    lease: Lease
+    keys: tuple[bytes, ...]
+
+
 @dataclass
 class _Pins:
-    leases: dict[str, Lease] = field(default_factory=dict)
+    leases: dict[str, _Pinned] = field(default_factory=dict)
 
 
 class TenantLeases:
@@ -105,8 +106,8 @@ class TenantLeases:
         self._namespace_of: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def admit(self, namespace: str, lease: Lease) -> None:
-        """Record a granted lease, or raise LimitExceededError (the caller then unpins it)."""
+    def admit(self, namespace: str, lease: Lease, keys: Sequence[bytes]) -> None:
+        """Record a granted lease pinning `keys`, or raise LimitExceededError (the caller then unpins it)."""
         with self._lock:
             self._prune()
             pins = self._by_namespace.setdefault(namespace, _Pins())
@@ -116,14 +117,14 @@ class TenantLeases:
                     f"namespace_max_leases allows; unpin some or let them expire"
                 )
             if self._max_bytes is not None:
-                keys = {k for held in pins.leases.values() for k in held.keys} | set(lease.keys)
-                pinned = sum(self._block_bytes(k) for k in keys)
+                distinct = {k for held in pins.leases.values() for k in held.keys} | set(keys)
+                pinned = sum(self._block_bytes(k) for k in distinct)
                 if pinned > self._max_bytes:
                     raise LimitExceededError(
                         f"namespace {namespace!r} would pin {pinned} B, above its quota of "
                         f"{self._max_bytes} B (namespace_pinned_fraction of the store budget)"
                     )
-            pins.leases[lease.lease_id] = lease
+            pins.leases[lease.lease_id] = _Pinned(lease, tuple(keys))
             self._namespace_of[lease.lease_id] = namespace
 
     def namespace_of(self, lease_id: str) -> str | None:
@@ -152,7 +153,7 @@ class TenantLeases:
     def _prune(self) -> None:
         now = self._clock()
         for namespace, pins in list(self._by_namespace.items()):
-            for lease_id in [lid for lid, lease in pins.leases.items() if lease.expires_at <= now]:
+            for lease_id in [lid for lid, held in pins.leases.items() if held.lease.expires_at <= now]:
                 del pins.leases[lease_id]
                 self._namespace_of.pop(lease_id, None)
             if not pins.leases:

@@ -19,12 +19,12 @@ from typing_extensions import override
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidInputError, NotFoundError
+from kvstore.api import Lease, LoadStream
+from kvstore.errors import ArenaLimitError, InvalidInputError, NotFoundError
 from kvstore.keys import validate_namespace
-from kvstore.leases import Lease
 from kvstore.model import ModelSpec
 from kvstore.results import LookupResult
-from kvstore.server.arenas import ArenaCache, ArenaLimitError, ArenaLimits, Owner
+from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.chunks import ChunkWriter, place_slice
 from kvstore.server.config import ServerConfig
@@ -36,10 +36,11 @@ from kvstore.server.limits import (
     tokens_array,
 )
 from kvstore.server.metrics import Metrics
+from kvstore.server.status import status_of
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
 from kvstore.shm import ServerArena
-from kvstore.store import LoadStream, TieredStore
-from kvstore.wire import ctx_from_pb, stats_to_pb, status_for
+from kvstore.store import TieredStore
+from kvstore.wire import ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
 _CHUNKS_PER_MESSAGE = 16
@@ -170,7 +171,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             ttl = request.ttl_s or 60.0
             lease = await asyncio.to_thread(self._pin, request.tokens, model, namespace, ttl)
             self._tenants.add(namespace, {"pins": 1})
-            return pb.PinResponse(lease_id=lease.lease_id, num_blocks=len(lease.keys), ttl_s=ttl)
+            return pb.PinResponse(lease_id=lease.lease_id, num_blocks=lease.num_keys, ttl_s=ttl)
 
     @override
     async def Unpin(self, request: pb.UnpinRequest, context: Any) -> pb.UnpinResponse:
@@ -279,15 +280,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _pin(self, tokens: Any, model: ModelSpec, namespace: str, ttl: float) -> Lease:
         lease = self._store.pin(self._tokens(tokens), model=model, namespace=namespace, ttl_s=ttl)
         try:
-            self.leases.admit(namespace, lease)
+            self.leases.admit(namespace, lease, self._store.index.lease_keys(lease.lease_id))
         except LimitExceededError:
             self._store.unpin(lease.lease_id)
             raise
         return lease
 
     def _block_bytes(self, key: bytes) -> int:
-        node = self._store.tree.get(key)
-        return 0 if node is None else node.nbytes
+        return self._store.index.block_bytes(key)
 
     def _guard(self, context: Any) -> _Guard:
         return _Guard(context)
@@ -297,7 +297,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
 
 class _Guard:
-    """Maps any domain error raised inside to a status via `status_for`, then aborts."""
+    """Maps any error raised inside to a status (kvstore.server.status), then aborts."""
 
     def __init__(self, context: Any) -> None:
         self._context = context
@@ -310,11 +310,8 @@ class _Guard:
             return
         if not isinstance(exc, Exception):
             return
-        code = status_for(exc)
-        details = (
-            str(exc) if code != grpc.StatusCode.INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
-        )
-        await self._context.abort(code, details)
+        status = status_of(exc, "KVCache")
+        await self._context.abort(status.code, status.details)
 
 
 class _Streaming:

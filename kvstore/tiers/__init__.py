@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.tiers.base import Tier, TierFullError, TierUsage, chunk_key
+from kvstore.errors import TierFullError
+from kvstore.keys import chunk_key
+from kvstore.tiers.base import Tier, TierUsage
 
 __all__ = ["Tier", "TierFullError", "TierUsage", "chunk_key", "create_tier"]
 

@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from kvstore.errors import KVSieveError
+from kvstore.keys import chunk_key as chunk_key  # re-export (old home)
 from kvstore.meta import BlockMeta
-
-
-class TierFullError(KVSieveError):
-    """The tier cannot take a block until something is deleted."""
 
 
 class TierUsage(NamedTuple):
@@ -36,6 +32,15 @@ class Tier(Protocol):
         """Store a block's encoded chunks and metadata, all or nothing. Mutates.
 
         Replaces a block of the same key. Raises `TierFullError` when it does not fit.
+        """
+        ...
+
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+        """Store several blocks, all or nothing, as `put_block` does for one. Mutates.
+
+        LMDB writes them in one transaction; memory checks the room for all of them
+        first; Redis writes block by block and deletes the ones it wrote if one fails.
+        Raises `TierFullError` when they do not fit (then none of them is kept).
         """
         ...
 
@@ -76,8 +81,3 @@ class Tier(Protocol):
     def close(self) -> None:
         """Release files and connections. Idempotent."""
         ...
-
-
-def chunk_key(block_key: bytes, layout_version: int, chunk_index: int) -> bytes:
-    """Storage key of one chunk: block key, layout version, chunk index (big-endian, sortable)."""
-    return block_key + layout_version.to_bytes(4, "big") + chunk_index.to_bytes(2, "big")

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError
+from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError, TierFullError
+from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierFullError, TierUsage, chunk_key
-from kvstore.tiers.lmdbfile import check_data_file, reserve_lock_file, write_error
+from kvstore.tiers.base import TierUsage
+from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -221,13 +222,14 @@ class LmdbTier:
 
     def data_file(self) -> Path:
         """The LMDB data file (for cold-cache benchmarks)."""
-        return self._path / "data.mdb"
+        return self._path / DATA_FILE
 
     def close(self) -> None:
         self._env.close()
 
     def _initial_map_size(self) -> int:
-        existing = (self._path / "data.mdb").stat().st_size if (self._path / "data.mdb").exists() else 0
+        data_file = self._path / DATA_FILE
+        existing = data_file.stat().st_size if data_file.exists() else 0
         if self._capacity is None:
             return max(self._initial_map, existing)
         return max(_MIN_MAP_BYTES, self._capacity * _MAP_OVERHEAD, existing)
@@ -278,7 +280,7 @@ class LmdbTier:
         txn.delete(key, db=self._blocks_db)
         cursor = txn.cursor(db=self._chunks_db)
         if cursor.set_range(key):
-            while cursor.key()[:16] == key and cursor.delete():
+            while cursor.key()[:KEY_BYTES] == key and cursor.delete():
                 pass
 
     def _scan_usage(self) -> tuple[int, int, int]:

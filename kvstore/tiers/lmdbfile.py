@@ -24,6 +24,9 @@ import lmdb
 
 from kvstore.errors import DamagedStoreError, StorageUnavailableError, StoreFullError
 
+#: The file LMDB keeps its data in, inside its environment directory.
+DATA_FILE = "data.mdb"
+
 LMDB_MAGIC = 0xBEEFC0DE
 _MAGIC_VERSION = struct.Struct("<II")  # at offset 16 of a meta page
 _PAGE_SIZE = struct.Struct("<I")  # at offset 40

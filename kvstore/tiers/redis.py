@@ -12,13 +12,14 @@ The remote tier is a cache that may be slow, down or evicting on its own
 through a circuit breaker (kvstore/tiers/breaker.py). A read that fails, times
 out, is refused by the open breaker, or finds a value missing or malformed is a
 miss, counted, never an error; a write that fails raises `RemoteUnavailableError`
-(the store's write-behind worker counts and drops it). Usage counters live in one
-hash, updated in the block's transaction on a single server and right after it in
-a cluster (the hash sits in another slot).
+whatever the client library raised (the store's write-behind worker counts and drops
+it). Usage counters live in one hash, updated in the block's transaction on a single
+server and right after it in a cluster (the hash sits in another slot).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -29,18 +30,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from kvstore.errors import ChecksumError, KVSieveError
+from kvstore.errors import ChecksumError, RemoteUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierFullError, TierUsage
+from kvstore.tiers.base import TierUsage
 from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
 
 T = TypeVar("T")
 _FAILURES = (redis.RedisError, RedisClusterException, OSError)
 _MISS: Any = object()  # a command whose node failed or was skipped (distinct from a nil reply)
-
-
-class RemoteUnavailableError(KVSieveError):
-    """The Redis/Valkey server cannot be reached, timed out, or the breaker is open."""
 
 
 def parse_node(node: str) -> tuple[str, int]:
@@ -113,6 +110,18 @@ class RedisTier:
                 meta.key, commands, (meta.nbytes - old.nbytes, 0, meta.num_chunks - old.num_chunks)
             )
 
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+        written: list[bytes] = []
+        try:
+            for meta, chunks in blocks:
+                self.put_block(meta, chunks)
+                written.append(meta.key)
+        except BaseException:
+            for key in written:  # best effort: the remote tier is a cache, a leftover is only a hit
+                with contextlib.suppress(RemoteUnavailableError, TierFullError):
+                    self.delete_block(key)
+            raise
+
     def put_meta(self, meta: BlockMeta) -> bool:
         # XX: only if the block is still there; the remote may have evicted it.
         command = (*self._set(self._mkey(meta.key), meta.to_bytes()), "XX")
@@ -175,7 +184,12 @@ class RedisTier:
             return
         for mkey in mkeys:
             tag = bytes(mkey)[len(self._prefix) + 2 : -3]
-            meta = self.get_meta(bytes.fromhex(tag.decode()))
+            try:
+                key = bytes.fromhex(tag.decode())
+            except ValueError:  # a foreign key under our prefix: not a block of ours
+                self._add("corrupt")
+                continue
+            meta = self.get_meta(key)
             if meta is not None:
                 yield meta
 
@@ -298,6 +312,11 @@ class RedisTier:
         except _FAILURES as exc:
             self._failed(breaker, exc)
             raise RemoteUnavailableError(f"remote tier {self._where} ({node}): {exc}") from exc
+        except Exception as exc:  # the client library failed outside its own classes: still the remote's
+            self._failed(breaker, exc)
+            raise RemoteUnavailableError(
+                f"remote tier {self._where} ({node}): {type(exc).__name__}: {exc}"
+            ) from exc
         except BaseException:
             breaker.failure()  # a probe must always report, or half-open never ends
             raise

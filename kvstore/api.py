@@ -1,0 +1,225 @@
+"""The store interface: `PrefixStore` and its `LoadStream`, with their typed values.
+
+Two implementations: `kvstore.store.TieredStore` (embedded, in this process) and
+`kvstore.client.KVClient` (a sidecar over gRPC). The engine, the vLLM connector,
+the DSL, tests and benchmarks hold a `PrefixStore` and switch between the two by
+configuration. The docstrings here are the contract; the implementations do not
+repeat them.
+
+Units: token ids are uint32; `kv` arrays have shape (layers, 2, kv_heads, tokens,
+head_dim) in `model.dtype`; sizes are bytes; times are seconds.
+
+This module imports no grpc, lmdb, redis or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from kvstore.model import ModelSpec
+from kvstore.results import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult
+from kvstore.stats import StoreStats
+
+Array = np.ndarray[Any, Any]
+Tokens = Sequence[int] | Array
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "Lease",
+    "LoadStream",
+    "LoadedChunk",
+    "LookupResult",
+    "PrefixStore",
+    "StoreInfo",
+    "StoreResult",
+]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A pin on the blocks of a cached prefix, released by `unpin` or when it expires.
+
+    Attributes:
+        lease_id: the id to pass to `unpin`.
+        num_keys: blocks pinned (0 when nothing of the prefix was cached).
+        ttl_s: the time to live granted, in seconds.
+        expires_at: when it expires, in `time.monotonic()` seconds of the process
+            holding this object (the client computes it from `ttl_s` on receipt, so it
+            is never later than the server's own deadline).
+    """
+
+    lease_id: str
+    num_keys: int
+    ttl_s: float
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """How a store cuts prefixes into blocks and chunks.
+
+    Attributes:
+        block_tokens: tokens per block; only whole blocks are stored. None when the
+            store is behind a sidecar that does not say (the sidecar drops a trailing
+            partial block itself).
+        chunk_tokens: tokens per chunk (the unit a budgeted load selects); None as above.
+    """
+
+    block_tokens: int | None
+    chunk_tokens: int | None
+
+
+@runtime_checkable
+class LoadStream(Protocol):
+    """Iterator of `LoadedChunk`, fastest tier first, block by block; close it when done.
+
+    Each block's chunks are read and verified before any of them is yielded, so a
+    consumer never sees part of a corrupt block; a block that is corrupt or gone ends
+    the stream there. Use it as a context manager: after `close` the chunks' `kv`
+    may be views of memory that is reused, so copy what must outlive the stream.
+
+    Attributes (final once the stream is exhausted):
+        matched_tokens: prefix length the lookup promised.
+        num_tokens: prefix length actually delivered (shorter if a block was lost).
+        selected_tokens: tokens the budget selected.
+        delivered_tokens: tokens in the delivered chunks (>= selected within whole chunks).
+        bytes_read: encoded bytes read from all tiers.
+        read_amplification: bytes read / bytes of the selected tokens (1.0 if none).
+    """
+
+    matched_tokens: int
+    num_tokens: int
+    selected_tokens: int
+    delivered_tokens: int
+    bytes_read: int
+
+    @property
+    def read_amplification(self) -> float: ...
+
+    def __iter__(self) -> Iterator[LoadedChunk]: ...
+
+    def __next__(self) -> LoadedChunk: ...
+
+    def gather(self, model: ModelSpec) -> tuple[Array, Array]:
+        """Read the rest of the stream into (positions (n,), kv (layers, 2, heads, n, dim))."""
+        ...
+
+    def close(self) -> None:
+        """Stop reading (cancelling an unfinished stream) and release its buffers. Idempotent."""
+        ...
+
+    def __enter__(self) -> LoadStream: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class PrefixStore(Protocol):
+    """KV of token prefixes, shared across requests. Thread-safe.
+
+    Blocks are keyed by a hash chain over (namespace, model fingerprint, tokens), so
+    a prefix is found only under the same namespace and model. Every method raises
+    `InvalidInputError` (naming the field) on bad input before touching stored data.
+    """
+
+    @property
+    def info(self) -> StoreInfo:
+        """Block and chunk size. Reads nothing stored."""
+        ...
+
+    def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
+        """Longest cached block-aligned prefix of `tokens` and how much of it is in memory.
+
+        Reads no KV; refreshes the blocks' recency. A block that another sidecar put in
+        the shared remote tier counts as cached.
+        """
+        ...
+
+    def store(
+        self,
+        tokens: Tokens,
+        kv: Array,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        scores: Array | None = None,
+        kv_start: int = 0,
+    ) -> StoreResult:
+        """Store the new whole blocks of a prefix; blocks already cached are skipped. Mutates.
+
+        Args:
+            tokens: token ids of the prefix (a trailing partial block is not stored).
+            kv: KV of tokens[kv_start:], shape `model.kv_shape(len(tokens) - kv_start)`,
+                dtype `model.dtype`.
+            scores: optional per-token importance of the same tokens as `kv`; each new
+                block is laid out in descending score order (what a budgeted load reads).
+            kv_start: first token `kv` covers, a multiple of the block size. A caller
+                that loaded the prefix's first blocks sends only the KV it computed; if
+                one of those first blocks is no longer cached, nothing is stored.
+
+        All new blocks are written or none; on an error nothing of this call is kept.
+
+        Raises:
+            InvalidInputError: bad tokens, shape, dtype, kv_start or scores.
+            StoreFullError: the budget is held by pinned blocks, or the disk is full.
+            StorageUnavailableError: an I/O error, or the data file was deleted under us.
+        """
+        ...
+
+    def load(
+        self,
+        tokens: Tokens,
+        *,
+        model: ModelSpec,
+        namespace: str = DEFAULT_NAMESPACE,
+        budget: float = 1.0,
+        budget_tokens: int | None = None,
+    ) -> LoadStream:
+        """Stream the cached prefix of `tokens`, or its most important share.
+
+        Args:
+            budget: fraction of the matched prefix's tokens to select, in (0, 1].
+            budget_tokens: a token count instead of a fraction (overrides `budget`).
+
+        Reads chunks from the fastest tier holding them and promotes them to memory.
+        A block that fails its checksum or is gone from every tier ends the stream
+        (`LoadStream.num_tokens` says how far it got) and is forgotten.
+        """
+        ...
+
+    def pin(
+        self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE, ttl_s: float = 60.0
+    ) -> Lease:
+        """Keep the cached prefix of `tokens` from eviction for `ttl_s` seconds. Mutates.
+
+        Raises `InvalidInputError` for a TTL outside (0, 24 h]; a sidecar may refuse
+        with `StoreFullError` past a tenant's lease or pinned-bytes quota.
+        """
+        ...
+
+    def unpin(self, lease_id: str) -> None:
+        """Release a lease. Mutates. `NotFoundError` if it is unknown, released or expired."""
+        ...
+
+    def report_scores(
+        self, tokens: Tokens, scores: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> int:
+        """Fold per-token importance (one finite float per token) into the cached blocks' scores.
+
+        Each block's scores become decay * old + reported (see importance.history); the
+        stored layout changes only at the next re-layout. Mutates metadata in every tier.
+        Returns the number of blocks updated.
+        """
+        ...
+
+    def stats(self) -> StoreStats:
+        """Counters and occupancy of every tier (a sidecar scopes them to the caller's token)."""
+        ...
+
+    def close(self) -> None:
+        """Release tiers, files, connections and shared memory. Idempotent."""
+        ...

@@ -1,0 +1,99 @@
+"""The client's shared-memory arenas: server memory mapped here, lent to one load at a time.
+
+A co-located `KVClient` asks the server for an arena (a sealed memfd), maps it
+read-only, and names it in each Load; the server writes the chunks' KV there and
+sends only their slots, so a load costs no copy on either side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class ClientArena:
+    """A server arena mapped read-only here, lent to one load at a time."""
+
+    arena_id: str
+    namespace: str
+    buf: mmap.mmap
+
+    def unmap(self) -> None:
+        """Unmap, unless numpy views still use it (then the GC unmaps later)."""
+        with contextlib.suppress(BufferError):
+            self.buf.close()
+
+
+class ArenaPool:
+    """The client's shared-memory arenas, per namespace: reused so their pages stay warm.
+
+    An arena is lent to one load at a time and comes back only when the caller
+    closes the stream (after which its chunk views must not be used). A load that
+    needs more room than the free arenas have gets a new arena sized to it, and
+    the smaller ones are released. A stream dropped without `close` leaves its
+    arena to the caller's views and asks the server to unmap it at the next call.
+
+    Args:
+        create: makes and maps a new arena (namespace, nbytes), or returns None.
+    """
+
+    KEEP_FREE = 4
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, create: Callable[[str, int], ClientArena | None]) -> None:
+        self._create = create
+        self._free: list[ClientArena] = []
+        self._orphans: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def take(self, namespace: str, nbytes: int) -> ClientArena | None:
+        """A free arena of `namespace` with at least `nbytes`, or a new one (None if shm fails)."""
+        with self._lock:
+            mine = [a for a in self._free if a.namespace == namespace]
+            for arena in mine:
+                if len(arena.buf) >= nbytes:
+                    self._free.remove(arena)
+                    return arena
+            for arena in mine:  # too small for this load: grow by replacing them
+                self._free.remove(arena)
+                self._orphans.append((arena.arena_id, arena.namespace))
+                arena.unmap()
+        size = -(-max(nbytes, self.MIN_BYTES) // self.MIN_BYTES) * self.MIN_BYTES
+        return self._create(namespace, size)
+
+    def give(self, arena: ClientArena) -> None:
+        """Return an arena after its stream was closed."""
+        with self._lock:
+            if len(self._free) < self.KEEP_FREE:
+                self._free.append(arena)
+                return
+            self._orphans.append((arena.arena_id, arena.namespace))
+        arena.unmap()
+
+    def discard(self, arena: ClientArena) -> None:
+        """Give up an arena (the server did not use it, or the call failed); the server unmaps it."""
+        self.orphan(arena.arena_id, arena.namespace)
+        arena.unmap()
+
+    def orphan(self, arena_id: str, namespace: str) -> None:
+        """An arena the server should unmap (e.g. its stream was garbage-collected unclosed)."""
+        with self._lock:
+            self._orphans.append((arena_id, namespace))
+
+    def take_orphans(self) -> list[tuple[str, str]]:
+        """(arena id, namespace) pairs to release on the server."""
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def drain(self) -> list[ClientArena]:
+        """Every free arena, removed from the pool and unmapped."""
+        with self._lock:
+            free, self._free = self._free, []
+        for arena in free:
+            arena.unmap()
+        return free

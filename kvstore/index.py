@@ -1,0 +1,246 @@
+"""StoreIndex: what the store holds, apart from the bytes (see kvstore/mover.py for those).
+
+The radix tree lists every block whose data is durable in the slowest local tier
+(or, in a memory-only store, held whole in memory), so a lookup never promises
+what a load cannot deliver. Beside it: the leases that pin blocks, the choice of
+chunks a budgeted load reads (a typed `LoadPlan`), and eviction of every local
+tier, which has this one owner:
+
+- disk pressure evicts least recently used unpinned blocks through the tree, from
+  every local tier at once (never from the shared remote tier: other sidecars use it);
+- in a memory-only store, memory pressure does the same (whole blocks);
+- beside a durable tier, memory is a cache of it and gives up single chunks ranked
+  by the configured policy (kvstore/eviction.py), never chunks of pinned blocks.
+
+The tiers only store bytes and count them. Every method is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import numpy as np
+
+from importance.layout import budget_to_tokens, select_chunks
+from kvstore.api import Lease
+from kvstore.config import StoreConfig
+from kvstore.errors import StoreFullError, TierFullError
+from kvstore.eviction import create_policy
+from kvstore.leases import LeaseTable
+from kvstore.meta import BlockMeta
+from kvstore.stats import Counters
+from kvstore.tiers import Tier
+from kvstore.tiers.memory import MemoryTier
+from radix import MatchResult, Node, RadixTree, RootId
+
+
+class LoadPlan(NamedTuple):
+    """What a load reads: the matched blocks and, for each, the chunk indices the budget selects."""
+
+    matched_tokens: int
+    selected_tokens: int
+    blocks: list[BlockMeta]
+    chunks: list[list[int]]
+
+
+class StoreIndex:
+    """Radix tree, leases, chunk selection and eviction of the local tiers; see module docstring.
+
+    Args:
+        config: the store's configuration (block and chunk size, memory policy).
+        memory: the memory tier (plain storage; this index evicts from it).
+        local_durable: the durable tiers on this machine (LMDB), evicted with the tree.
+        memory_is_cache: memory is a cache of a durable tier (local or remote), so it
+            may give up single chunks; otherwise it holds the only copy of what the
+            tree lists and gives up whole blocks only.
+        counters: where evictions are counted.
+        clock: lease expiry clock (monotonic seconds).
+    """
+
+    def __init__(
+        self, config: StoreConfig, memory: MemoryTier, local_durable: Sequence[Tier], *,
+        memory_is_cache: bool, counters: Counters, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self._config = config
+        self.tree = RadixTree(config.block_tokens)
+        self.leases = LeaseTable(self.tree.pin, self.tree.unpin, clock)
+        self._memory = memory
+        self._local = list(local_durable)
+        self._memory_is_cache = memory_is_cache
+        self._policy = create_policy(config.memory_policy)
+        self._memory_lock = threading.Lock()  # policy + make-room + put are one step
+        self._counters = counters
+        self.memory_evictions = 0  # chunks evicted from memory since start
+
+    # -- what is cached -----------------------------------------------------------
+
+    def match(self, root: RootId, tokens: np.ndarray, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of `tokens` under `root`; refreshes recency when `touch`."""
+        return self.tree.match(root, tokens, touch=touch)
+
+    def insert(self, root: RootId, meta: BlockMeta) -> None:
+        """List a block whose data is held (its parent must be listed). Mutates."""
+        parent = None if meta.depth == 0 else meta.parent
+        self.tree.insert(root, parent, meta.tokens, meta.key, meta.nbytes, meta)
+
+    def update(self, node: Node, meta: BlockMeta) -> None:
+        """Replace a listed block's metadata (new scores). Mutates."""
+        node.payload = meta
+
+    def forget(self, key: bytes) -> None:
+        """Unlist a block and every block below it (lost or corrupt); drop them from memory."""
+        with self._memory_lock:
+            for node in self.tree.remove(key):
+                self._drop_from_memory_locked(node.payload)
+
+    def rebuild(self, metas: Iterable[BlockMeta]) -> int:
+        """List the blocks of a durable tier at start-up, parents first. Returns orphans skipped."""
+        orphans = 0
+        for meta in sorted(metas, key=lambda m: (m.depth, m.created)):
+            parent = None if meta.depth == 0 else self.tree.get(meta.parent)
+            if (meta.depth and (parent is None or parent.depth != meta.depth - 1)) or (
+                meta.num_tokens != self._config.block_tokens
+            ):
+                orphans += 1
+                continue
+            self.insert((meta.namespace, meta.fingerprint), meta)
+        return orphans
+
+    @contextmanager
+    def held(self, nodes: Sequence[Node]) -> Iterator[None]:
+        """Pin `nodes` for the duration (a store's parent chain must survive eviction)."""
+        keys = [n.key for n in nodes]
+        self.tree.pin(keys)
+        try:
+            yield
+        finally:
+            self.tree.unpin(keys)
+
+    def block_bytes(self, key: bytes) -> int:
+        """Encoded bytes of a listed block (0 if it is not listed)."""
+        node = self.tree.get(key)
+        return 0 if node is None else node.nbytes
+
+    # -- leases -------------------------------------------------------------------
+
+    def grant(self, match: MatchResult, ttl_s: float) -> Lease:
+        """Pin the matched blocks for `ttl_s` seconds. Mutates."""
+        return self.leases.grant([n.key for n in match.nodes], ttl_s)
+
+    def lease_keys(self, lease_id: str) -> tuple[bytes, ...]:
+        """The block keys a live lease pins (empty if unknown)."""
+        return self.leases.keys_of(lease_id)
+
+    # -- selection ----------------------------------------------------------------
+
+    def plan_load(self, match: MatchResult, budget: float, budget_tokens: int | None) -> LoadPlan:
+        """Chunks to read for a load of `match` at a budget (a fraction, or a token count).
+
+        The budget must have passed `kvstore.results.check_budget`.
+        """
+        metas: list[BlockMeta] = [n.payload for n in match.nodes]
+        wanted = budget_tokens if budget_tokens is not None else budget_to_tokens(budget, match.num_tokens)
+        selection = select_chunks([_slot_scores(m) for m in metas], wanted, self._config.chunk_tokens)
+        selected = sum(s.selected_tokens for s in selection)
+        return LoadPlan(match.num_tokens, selected, metas, [s.chunks for s in selection])
+
+    # -- eviction -----------------------------------------------------------------
+
+    def evict(self, num_bytes: int) -> None:
+        """Free at least `num_bytes` from the local tiers (least recently used unpinned blocks)."""
+        victims = self.tree.evict(num_bytes)
+        with self._memory_lock:
+            for node in victims:
+                self._drop_from_memory_locked(node.payload)
+        for node in victims:  # outside the memory lock: disk deletes must not stall promotions
+            for tier in self._local:
+                tier.delete_block(node.key)
+            self._counters.add("evictions.disk")
+
+    def reserve_memory(self, size: int) -> None:
+        """Memory-only store: evict whole blocks through the tree until `size` bytes fit.
+
+        Raises:
+            StoreFullError: `size` exceeds the budget, or the rest is pinned.
+        """
+        with self._memory_lock:
+            while True:
+                usage = self._memory.usage()
+                capacity = usage.capacity_bytes or 0
+                if size > capacity:
+                    raise StoreFullError(f"{size} B of new blocks exceed the memory tier's {capacity} B")
+                if usage.used_bytes + size <= capacity:
+                    return
+                victims = self.tree.evict(usage.used_bytes + size - capacity)
+                if not victims:
+                    raise StoreFullError(
+                        "memory tier is full of pinned blocks and there is no disk tier; nothing was kept"
+                    )
+                for node in victims:
+                    self.memory_evictions += self._memory.chunks_held(node.key)
+                    self._drop_from_memory_locked(node.payload)
+
+    def put_in_memory(self, meta: BlockMeta, chunks: Sequence[bytes]) -> bool:
+        """Put a whole block in memory, making room first when memory is a cache. False if it
+        does not fit (the rest is pinned, or it exceeds the budget)."""
+        size = sum(len(c) for c in chunks)
+        with self._memory_lock:
+            if size > self._memory.capacity_bytes:
+                return False
+            self._drop_from_memory_locked(meta)
+            self._make_room_locked(size)
+            try:
+                self._memory.put_block(meta, chunks)
+            except TierFullError:
+                return False
+            for index in range(len(chunks)):
+                self._policy.touch((meta.key, index), meta)
+            return True
+
+    def promote(self, meta: BlockMeta, index: int, data: bytes | memoryview) -> bool:
+        """Copy one chunk read from a slower tier into memory, making room. False if it does not fit."""
+        with self._memory_lock:
+            if self._memory.has_chunk(meta.key, index):
+                return True
+            self._make_room_locked(len(data))
+            if not self._memory.put_chunk(meta, index, data):
+                return False
+            self._policy.touch((meta.key, index), meta)
+            return True
+
+    def touch_memory(self, meta: BlockMeta, indices: Iterable[int]) -> None:
+        """Record reads of memory chunks (the policy's frequency and recency)."""
+        with self._memory_lock:
+            for index in indices:
+                self._policy.touch((meta.key, index), meta)
+
+    def _make_room_locked(self, size: int) -> None:
+        usage = self._memory.usage()
+        used, capacity = usage.used_bytes, self._memory.capacity_bytes
+        if not self._memory_is_cache or used + size <= capacity:
+            return
+        for ref in self._policy.victims():
+            if self.tree.is_pinned(ref[0]):
+                continue
+            self._policy.remove(ref)
+            freed = self._memory.delete_chunk(*ref)
+            if freed:
+                self.memory_evictions += 1
+                used -= freed
+            if used + size <= capacity:
+                return
+
+    def _drop_from_memory_locked(self, meta: BlockMeta) -> None:
+        for index in range(meta.num_chunks):
+            self._policy.remove((meta.key, index))
+        self._memory.delete_block(meta.key)
+
+
+def _slot_scores(meta: BlockMeta) -> np.ndarray:
+    if meta.scores is None:
+        return np.zeros(meta.num_tokens, dtype=np.float32)
+    return meta.scores[meta.permutation]

@@ -22,12 +22,16 @@ def engine() -> Any:
 
 
 def _prompt(engine: Any, body: str, args: dict[str, str]) -> tuple[list[int], list[Any]]:
-    """The main branch's computed tokens after running `body`, and its events."""
+    """The main branch's computed tokens when `body` yields its last value, and all its events."""
     params = ", ".join(args)
     run = ProgramRun(engine, plan(f"program p({params}) {{\n{body}\n}}"), args)
-    events = list(run.events())
+    events, tokens = [], []
+    for event in run.events():
+        if event.kind == "yield":  # the run still holds its contexts (they are dropped at its end)
+            tokens = list(run._branches[0].ctx.tokens)
+        events.append(event)
     assert events[-1].kind == "done", events[-1]
-    return run._branches[0].ctx.tokens, events
+    return tokens, events
 
 
 def _old_format(engine: Any, text: str) -> list[int]:
@@ -36,7 +40,7 @@ def _old_format(engine: Any, text: str) -> list[int]:
 
 
 def test_a_user_turn_has_the_ids_engine_encode_gives(engine: Any) -> None:
-    body = f'  system "{SYSTEM}"\n  user "What is {{x}}?"\n  a = gen(max_tokens=1)'
+    body = f'  system "{SYSTEM}"\n  user "What is {{x}}?"\n  a = gen(max_tokens=1)\n  yield a'
     tokens, _ = _prompt(engine, body, {"x": "the capital of France"})
     messages = [
         {"role": "system", "content": SYSTEM},
@@ -48,7 +52,8 @@ def test_a_user_turn_has_the_ids_engine_encode_gives(engine: Any) -> None:
 
 
 def test_a_second_turn_follows_the_answer_as_before(engine: Any) -> None:
-    body = f'  system "{SYSTEM}"\n  user "Hi"\n  a = gen(max_tokens=3)\n  user "Bye"\n  b = gen(max_tokens=1)'
+    body = f'  system "{SYSTEM}"\n  user "Hi"\n  a = gen(max_tokens=3)\n'
+    body += '  user "Bye"\n  b = gen(max_tokens=1)\n  yield b'
     tokens, _ = _prompt(engine, body, {})
     first = _old_format(
         engine,
@@ -61,7 +66,7 @@ def test_a_second_turn_follows_the_answer_as_before(engine: Any) -> None:
 
 
 def test_a_program_without_a_system_message_gets_the_templates_default(engine: Any) -> None:
-    tokens, _ = _prompt(engine, '  user "Hi"\n  a = gen(max_tokens=1)', {})
+    tokens, _ = _prompt(engine, '  user "Hi"\n  a = gen(max_tokens=1)\n  yield a', {})
     assert tokens == engine.encode("Hi")  # what `kvsieve generate "Hi"` computes too
     assert engine.lm.tokenizer.decode(tokens).startswith(f"<|im_start|>system\n{SYSTEM}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from engine_adapter.dsl import ops, plan
@@ -55,3 +57,10 @@ def test_the_executor_knows_no_syntax_and_no_chat_tokens() -> None:
     assert "dsl.syntax" not in source and "import syntax" not in source
     assert "<|im_start|>" not in source and "<|im_end|>" not in source
     assert "isinstance(op" not in source  # it matches on operation types
+
+
+def test_planning_imports_no_torch() -> None:
+    code = "import sys, engine_adapter.dsl.plan, engine_adapter.sampling; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -53,6 +53,9 @@ class IncrementalText:
     space right; a window that ends in U+FFFD is a character whose bytes are still
     arriving, so it stays pending. Joined, the stable pieces and `pending` equal
     `tokenizer.decode(tokens, skip_special_tokens=True)` (tests/test_decode.py).
+    A window spans the last stable piece and the pending tokens: a few tokens for
+    any valid UTF-8 text. Only bytes that never complete a character (invalid
+    UTF-8 from the model) keep it growing until a whole character follows.
     """
 
     def __init__(self, tokenizer: Any) -> None:

@@ -1,4 +1,4 @@
-"""Execute: run a checked plan on the engine. Knows no syntax beyond the plan's nodes.
+"""Execute: run a checked plan on the engine, matching on its typed operations (no syntax).
 
 Each branch (the program's main body and every fork) is a generator that yields
 requests to a scheduler: a decode step, or a wait for other branches. The

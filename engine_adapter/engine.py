@@ -19,9 +19,12 @@ import numpy as np
 import torch
 
 from engine_adapter.attention import AttentionStats
+from engine_adapter.batch import left_pad, padding_mask
 from engine_adapter.cache import cache_from
+from engine_adapter.chat import ChatFormat
+from engine_adapter.decode import Completion, Sampler
 from engine_adapter.model import LoadedModel
-from engine_adapter.sampling import Sampling, cut_at_stop, next_tokens
+from engine_adapter.sampling import Sampling
 from kvstore.api import PrefixStore
 
 Messages = Sequence[dict[str, str]]
@@ -88,6 +91,8 @@ class Engine:
         self.store = store
         self.namespace = namespace
         self.collect_stats = collect_stats
+        #: Chat turns as token ids, from the tokenizer's chat template (the DSL's messages too).
+        self.chat = ChatFormat(lm.tokenizer)
 
     # -- prompts ------------------------------------------------------------------
 
@@ -230,25 +235,13 @@ class Engine:
         )  # fmt: skip
 
     def _decode(self, state: Prefill, sampling: Sampling) -> tuple[list[int], str, str]:
-        generator = sampling.generator()
-        eos = self.lm.eos_token_ids
-        tokens: list[int] = []
-        logits = state.logits
-        position = state.next_position
-        for _ in range(sampling.max_tokens):
-            token = int(next_tokens(logits.unsqueeze(0), sampling, generator)[0])
-            if token in eos:
-                return tokens, self._text(tokens), "stop"
-            tokens.append(token)
-            text, stopped = cut_at_stop(self._text(tokens), sampling.stop)
-            if stopped:
-                return tokens, text, "stop"
-            logits = self._forward([token], position, state.cache, None)[0, -1]
+        sampler = Sampler(sampling)
+        answer = Completion(self.lm.tokenizer, sampling, self.lm.eos_token_ids)
+        logits, position = state.logits, state.next_position
+        while (reason := answer.add(int(sampler(logits.unsqueeze(0))[0]))) is None:
+            logits = self._forward(answer.tokens[-1:], position, state.cache, None)[0, -1]
             position += 1
-        return tokens, self._text(tokens), "length"
-
-    def _text(self, tokens: list[int]) -> str:
-        return str(self.lm.tokenizer.decode(tokens, skip_special_tokens=True))
+        return answer.tokens, answer.text, reason
 
     @torch.inference_mode()
     def generate_batch(
@@ -264,16 +257,15 @@ class Engine:
         t0 = time.perf_counter()
         logits, cache, mask, positions = self._batch_prefill(rows)
         prefill_s = time.perf_counter() - t0
-        generator, eos = sampling.generator(), self.lm.eos_token_ids
-        tokens: list[list[int]] = [[] for _ in rows]
-        reasons: list[str | None] = [None] * len(rows)
+        sampler = Sampler(sampling)
+        answers = [Completion(self.lm.tokenizer, sampling, self.lm.eos_token_ids) for _ in rows]
         t0 = time.perf_counter()
-        for _ in range(sampling.max_tokens):
-            chosen = next_tokens(logits, sampling, generator)
-            for i, token in enumerate(chosen.tolist()):
-                if reasons[i] is None:
-                    reasons[i] = self._append(tokens[i], token, eos, sampling.stop)
-            if all(r is not None for r in reasons):
+        while True:
+            chosen = sampler(logits)
+            for answer, token in zip(answers, chosen.tolist(), strict=True):
+                if answer.reason is None:
+                    answer.add(token)
+            if all(a.reason is not None for a in answers):
                 break
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
             positions = positions[:, -1:] + 1
@@ -284,40 +276,17 @@ class Engine:
             logits = out.logits[:, -1]
         decode_s = time.perf_counter() - t0
         return [
-            GenerateResult(
-                cut_at_stop(self._text(toks), sampling.stop)[0],
-                toks,
-                len(row),
-                0,
-                0,
-                len(row),
-                0,
-                reason or "length",
-                Timings(prefill_s=prefill_s, decode_s=decode_s),
-            )
-            for row, toks, reason in zip(rows, tokens, reasons, strict=True)
+            _batch_result(answer, len(row), Timings(prefill_s=prefill_s, decode_s=decode_s))
+            for row, answer in zip(rows, answers, strict=True)
         ]
 
     def _batch_prefill(self, rows: list[list[int]]) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
         pad = self.lm.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = 1
+        input_ids = left_pad([torch.tensor(row, dtype=torch.long) for row in rows], dim=0, fill=pad)
+        mask = padding_mask([len(row) for row in rows])
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         return out.logits[:, -1], out.past_key_values, mask, positions
-
-    def _append(self, tokens: list[int], token: int, eos: set[int], stop: tuple[str, ...]) -> str | None:
-        """Add a token to a row; the finish reason if the row is done."""
-        if token in eos:
-            return "stop"
-        tokens.append(token)
-        if cut_at_stop(self._text(tokens), stop)[1]:
-            return "stop"
-        return None
 
     # -- scoring ------------------------------------------------------------------
 
@@ -332,3 +301,9 @@ class Engine:
         state = self.prefill(prefix, budget)
         rest = self._forward(continuation[:-1], state.next_position, state.cache, None)[0]
         return torch.cat([state.logits.unsqueeze(0), rest], dim=0)
+
+
+def _batch_result(answer: Completion, prompt_tokens: int, timings: Timings) -> GenerateResult:
+    """A row of `generate_batch`: no prefix reuse, so every prompt token was computed."""
+    reason = answer.reason or "length"
+    return GenerateResult(answer.text, answer.tokens, prompt_tokens, 0, 0, prompt_tokens, 0, reason, timings)

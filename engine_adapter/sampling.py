@@ -1,10 +1,11 @@
-"""Sampling settings and the choice of the next token."""
+"""Sampling settings: a plain dataclass, importable without torch (the DSL's planner uses it).
+
+The torch side (choosing tokens from logits) is `engine_adapter.decode.Sampler`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from kvstore.errors import InvalidInputError
 
@@ -36,25 +37,6 @@ class Sampling:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise InvalidInputError("stop strings must not be empty")
-
-    def generator(self) -> torch.Generator:
-        """A fresh generator seeded from `seed` (0 when unseeded and greedy)."""
-        gen = torch.Generator()
-        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return gen
-
-
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """Pick one token per row of `logits` (batch, vocab)."""
-    if sampling.temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < sampling.top_p  # always keeps the top token
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:

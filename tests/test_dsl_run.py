@@ -234,15 +234,19 @@ def test_forks_of_the_same_name_in_sibling_forks_stay_apart(engine) -> None:  # 
 
 
 def test_an_unforeseen_executor_failure_ends_the_stream_with_one_error(engine, store: TieredStore) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.dsl.plan import Plan
-    from engine_adapter.dsl.syntax import parse
+    from dataclasses import replace
+
+    from engine_adapter.dsl import ops
 
     # A plan the planner would refuse (b is defined on one path only), run unchecked:
     # the executor must still end with an error event, not raise.
     source = f'program p(a) {{\n  {SYSTEM}\n  user "Hi"\n  if a == "x" {{ b = gen() }}\n  yield b\n}}'
     with pytest.raises(ProgramError, match="yield of unknown name 'b'"):
         plan(source)
-    unchecked = Plan(parse(source), {}, 0, 0, Limits())
+    checked = plan(source.replace("yield b", "yield a"))  # then its last op swapped for `yield b`
+    branch = checked.body[-2]
+    assert isinstance(branch, ops.If) and isinstance(branch.then[0], ops.Gen)
+    unchecked = replace(checked, body=(*checked.body[:-1], ops.Yield((branch.then[0].target,))))
     events = list(ProgramRun(engine, unchecked, {"a": "y"}).events())
     assert [e.kind for e in events] == ["error"]
     assert events[0].value == "KeyError: 'b'"

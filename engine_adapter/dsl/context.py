@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from engine_adapter.cache import cache_from
+from engine_adapter.batch import left_pad, padding_mask
+from engine_adapter.cache import cache_from, share_cache
+from engine_adapter.chat import Conversation
 
 
 def cache_length(cache: Any) -> int:
@@ -23,11 +25,18 @@ class Context:
     pending: list[int] = field(default_factory=list)
     cache: Any = None
     logits: torch.Tensor | None = None  # of the last computed token
+    conversation: Conversation = field(default_factory=Conversation)  # its messages, for the chat template
 
     @property
     def next_position(self) -> int:
         """Position of the next token to compute."""
         return len(self.tokens)
+
+    def fork(self, config: Any) -> Context:
+        """A child context on the same computed tokens, sharing their KV tensors (copy on write)."""
+        return Context(
+            list(self.tokens), [], share_cache(self.cache, config), self.logits, self.conversation.copy()
+        )
 
 
 def batched_step(
@@ -41,19 +50,15 @@ def batched_step(
     """
     lengths = [cache_length(c) for c in caches]
     width = max(lengths)
-    pairs = []
-    for index in range(len(caches[0].layers)):
-        first = caches[0].layers[index].keys
-        shape = (len(caches), first.shape[1], width, first.shape[3])
-        keys, values = first.new_zeros(shape), first.new_zeros(shape)
-        for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
-            keys[row, :, width - length :] = cache.layers[index].keys[0]
-            values[row, :, width - length :] = cache.layers[index].values[0]
-        pairs.append((keys, values))
+    pairs = [
+        (
+            left_pad([cache.layers[index].keys[0] for cache in caches], dim=1),
+            left_pad([cache.layers[index].values[0] for cache in caches], dim=1),
+        )
+        for index in range(len(caches[0].layers))
+    ]
     batch = cache_from(model.config, pairs)
-    mask = torch.zeros(len(caches), width + 1, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        mask[row, width - length :] = 1
+    mask = padding_mask(lengths, extra=1)  # and the new token of every row
     out = model(
         input_ids=torch.tensor(tokens).unsqueeze(1), attention_mask=mask,
         position_ids=torch.tensor(positions).unsqueeze(1), past_key_values=batch, use_cache=True,

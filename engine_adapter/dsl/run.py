@@ -1,4 +1,4 @@
-"""Execute: run a checked plan on the engine. Knows no syntax beyond the plan's nodes.
+"""Execute: run a checked plan on the engine, matching on its typed operations (no syntax).
 
 Each branch (the program's main body and every fork) is a generator that yields
 requests to a scheduler: a decode step, or a wait for other branches. The
@@ -21,25 +21,13 @@ from typing import Any
 import torch
 
 from engine_adapter.cache import share_cache
+from engine_adapter.decode import Completion, Sampler
+from engine_adapter.dsl import ops
 from engine_adapter.dsl.context import Context, batched_step
 from engine_adapter.dsl.errors import ProgramRuntimeError
-from engine_adapter.dsl.plan import PLACEHOLDER, GenOp, Plan, check_args
-from engine_adapter.dsl.syntax import (
-    Cond,
-    Fork,
-    Gen,
-    If,
-    Kill,
-    Message,
-    Node,
-    Return,
-    Select,
-    Text,
-    Wait,
-    Yield,
-)
+from engine_adapter.dsl.plan import Plan, check_args
+from engine_adapter.dsl.values import Branch, Frame, ListItems, as_text, list_items, ready, value_of
 from engine_adapter.engine import Engine
-from engine_adapter.sampling import cut_at_stop, next_tokens
 
 
 @dataclass(frozen=True)
@@ -71,25 +59,13 @@ class _Decode:
 
 @dataclass
 class _WaitFor:
-    branches: list[_Branch]
+    branches: list[Branch]
     any_of: bool = False
 
 
 @dataclass
 class _Returned:
     value: Any
-
-
-@dataclass
-class _Branch:
-    name: str
-    ctx: Context
-    steps: Generator[Any, Any, Any] | None = None
-    request: Any = None
-    send: Any = None
-    done: bool = False
-    killed: bool = False
-    value: Any = None
 
 
 class ProgramRun:
@@ -108,23 +84,23 @@ class ProgramRun:
         self.args = check_args(plan, args)
         self.stats = RunStats()
         # Every branch ever started, in start order. Programs refer to a fork by the
-        # handle in their scope (a _Branch), never by name: two forks may share a name
+        # handle in their scope (a Branch), never by name: two forks may share a name
         # in different scopes (sibling forks' children, the two arms of an if).
-        self._branches: list[_Branch] = []
+        self._branches: list[Branch] = []
         self._events: list[Event] = []
         self._started = time.perf_counter()
         self._lease: str | None = None
-        tok = engine.lm.tokenizer
-        self._assistant = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-        self._end = tok.encode("<|im_end|>\n", add_special_tokens=False)
         self._eos = engine.lm.eos_token_ids
 
     # -- the scheduler ------------------------------------------------------------
 
     def events(self) -> Iterator[Event]:
         """Run the program, streaming its events; releases everything however it ends."""
-        main = _Branch("main", Context())
-        main.steps = self._block(main, self.plan.syntax.body, dict(self.args), in_fork=False)
+        main = Branch("main", Context())
+        frame = Frame(self.plan.frame_size)
+        for slot in self.plan.params:
+            frame[slot] = self.args[slot.name]
+        main.steps = self._block(main, self.plan.body, frame)
         self._branches.append(main)
         try:
             while not main.done:
@@ -154,7 +130,7 @@ class ProgramRun:
                 self._resume(branch)
                 progressed = True
 
-    def _resume(self, branch: _Branch) -> None:
+    def _resume(self, branch: Branch) -> None:
         assert branch.steps is not None
         try:
             branch.request = branch.steps.send(branch.send)
@@ -192,67 +168,62 @@ class ProgramRun:
         finished = [b.done or b.killed for b in wait.branches]
         return any(finished) if wait.any_of else all(finished)
 
-    # -- statements ---------------------------------------------------------------
+    # -- operations ---------------------------------------------------------------
 
-    def _block(
-        self, branch: _Branch, body: list[Node], scope: dict[str, Any], in_fork: bool
-    ) -> Generator[Any, Any, Any]:
-        for node in body:
-            result = yield from self._stmt(branch, node, scope, in_fork)
+    def _block(self, branch: Branch, body: tuple[ops.Op, ...], frame: Frame) -> Generator[Any, Any, Any]:
+        for op in body:
+            result = yield from self._op(branch, op, frame)
             if isinstance(result, _Returned):
                 return result
         return None
 
-    def _stmt(
-        self, branch: _Branch, node: Node, scope: dict[str, Any], in_fork: bool
-    ) -> Generator[Any, Any, Any]:
+    def _op(self, branch: Branch, op: ops.Op, frame: Frame) -> Generator[Any, Any, Any]:
         ctx = branch.ctx
-        if isinstance(node, Message):
-            ctx.pending += self._message(node.role, self._render(node.text, scope))
-        elif isinstance(node, Gen):
-            scope[node.target] = yield from self._gen(branch, self.plan.gen(node))
-        elif isinstance(node, Select):
-            scope[node.target] = self._select(ctx, node.options)
-        elif isinstance(node, Fork):
-            scope[node.target] = self._fork(branch, node, scope)
-        elif isinstance(node, Wait):
-            yield _WaitFor([scope[n] for n in node.names])
-        elif isinstance(node, Yield):
-            yield from self._yield(node, scope)
-        elif isinstance(node, Kill):
-            self._kill(scope[node.name])
-        elif isinstance(node, If):
-            chosen = node.then if self._holds(node.cond, scope) else node.otherwise
-            return (yield from self._block(branch, chosen, scope, in_fork))
-        elif isinstance(node, Return):
-            return _Returned(_value(scope[node.name]))
+        match op:
+            case ops.Say(role=role, text=text):
+                ctx.pending += self.engine.chat.append(ctx.conversation, role, frame.render(text))
+            case ops.Gen(target=target):
+                frame[target] = yield from self._gen(branch, op)
+            case ops.Select(target=target, options=options):
+                frame[target] = self._select(ctx, options)
+            case ops.Fork(target=target):
+                frame[target] = self._fork(branch, op, frame)
+            case ops.Wait(handles=handles):
+                yield _WaitFor([frame[h] for h in handles])
+            case ops.Yield():
+                yield from self._yield(op, frame)
+            case ops.Kill(handle=handle):
+                self._kill(frame[handle])
+            case ops.If(cond=cond, then=then, otherwise=otherwise):
+                return (yield from self._block(branch, then if _holds(cond, frame) else otherwise, frame))
+            case ops.Return(value=value):
+                return _Returned(value_of(frame[value]))
         return None
 
-    def _gen(self, branch: _Branch, op: GenOp) -> Generator[Any, Any, Any]:
+    def _gen(self, branch: Branch, op: ops.Gen) -> Generator[Any, Any, Any]:
         ctx = branch.ctx
-        ctx.pending += self._assistant
+        ctx.pending += self.engine.chat.reply(ctx.conversation)
         self._flush(ctx)
-        generator = op.sampling.generator()
-        logits, tokens = ctx.logits, []
+        sampler = Sampler(op.sampling)
+        answer = Completion(self.engine.lm.tokenizer, op.sampling, self._eos)
+        items = ListItems()
+        logits = ctx.logits
         assert logits is not None
         while True:
-            token = int(next_tokens(logits.unsqueeze(0), op.sampling, generator)[0])
-            if token in self._eos:
-                ctx.pending += [token, *self._end[1:]]
+            token = int(sampler(logits.unsqueeze(0))[0])
+            if answer.add(token) is not None:
                 break
-            tokens.append(token)
-            text, stopped = cut_at_stop(self._text(tokens), op.sampling.stop)
-            full = op.as_list and len(_list_items(text, complete_only=True)) >= op.max_items
-            if stopped or full or len(tokens) == op.sampling.max_tokens:
-                ctx.pending += [token, *self._end]
+            if op.as_list and items.complete(answer.stable, answer.pending) >= op.max_items:
                 break
             logits = yield _Decode(token, ctx.next_position)
-        text = cut_at_stop(self._text(tokens), op.sampling.stop)[0]
-        return _list_items(text)[: op.max_items] if op.as_list else text.strip()
+        closing = self.engine.chat.answered(ctx.conversation, answer.text)
+        # The model's own end-of-turn token, when it wrote one, stands in for the template's.
+        ctx.pending += [token, *closing[1:]] if answer.ended_by_eos else [token, *closing]
+        return list_items(answer.text)[: op.max_items] if op.as_list else answer.text.strip()
 
-    def _select(self, ctx: Context, options: list[str]) -> str:
+    def _select(self, ctx: Context, options: tuple[str, ...]) -> str:
         """The option with the highest mean log-likelihood per token (never anything else)."""
-        ctx.pending += self._assistant
+        ctx.pending += self.engine.chat.reply(ctx.conversation)
         self._flush(ctx)
         assert ctx.logits is not None
         best, best_score = options[0], float("-inf")
@@ -267,30 +238,27 @@ class ProgramRun:
             score = float(logprobs[torch.arange(len(ids)), torch.tensor(ids)].mean())
             if score > best_score:
                 best, best_score = option, score
-        ctx.pending += self.engine.lm.tokenizer.encode(best, add_special_tokens=False) + self._end
+        closing = self.engine.chat.answered(ctx.conversation, best)
+        ctx.pending += self.engine.lm.tokenizer.encode(best, add_special_tokens=False) + closing
         return best
 
-    def _fork(self, parent: _Branch, node: Fork, scope: dict[str, Any]) -> _Branch:
+    def _fork(self, parent: Branch, op: ops.Fork, frame: Frame) -> Branch:
         self._flush(parent.ctx)  # the shared context is computed once, here, for every child
-        ctx = parent.ctx
-        child = _Branch(
-            node.target,
-            Context(list(ctx.tokens), [], share_cache(ctx.cache, self.engine.lm.model.config), ctx.logits),
-        )
-        child.steps = self._block(child, node.body, dict(scope), in_fork=True)
+        child = Branch(op.target.name, parent.ctx.fork(self.engine.lm.model.config))
+        child.steps = self._block(child, op.body, frame.child(op.frame_size, op.captures))
         self._branches.append(child)
         return child
 
-    def _yield(self, node: Yield, scope: dict[str, Any]) -> Generator[Any, Any, None]:
-        remaining = list(node.names)
+    def _yield(self, op: ops.Yield, frame: Frame) -> Generator[Any, Any, None]:
+        remaining = list(op.values)
         while remaining:  # in order of readiness
-            for name in [n for n in remaining if _ready(scope[n])]:
-                self._events.append(Event("yield", name, _value(scope[name]), self._elapsed()))
-                remaining.remove(name)
+            for slot in [s for s in remaining if ready(frame[s])]:
+                self._events.append(Event("yield", slot.name, value_of(frame[slot]), self._elapsed()))
+                remaining.remove(slot)
             if remaining:
-                yield _WaitFor([scope[n] for n in remaining], any_of=True)
+                yield _WaitFor([frame[s] for s in remaining], any_of=True)
 
-    def _kill(self, branch: _Branch) -> None:
+    def _kill(self, branch: Branch) -> None:
         if branch.done or branch.killed:
             return
         self.stats.killed_branches.append(branch.name)
@@ -336,26 +304,6 @@ class ProgramRun:
                 self.engine.store.unpin(self._lease)
             self._lease = None
 
-    def _message(self, role: str, text: str) -> list[int]:
-        return list(
-            self.engine.lm.tokenizer.encode(
-                f"<|im_start|>{role}\n{text}<|im_end|>\n", add_special_tokens=False
-            )
-        )
-
-    def _render(self, text: Text, scope: dict[str, Any]) -> str:
-        if text.is_param:
-            return _as_text(_value(scope[text.value]))
-        return PLACEHOLDER.sub(lambda m: _as_text(_value(scope[m.group(1)])), text.value)
-
-    def _holds(self, cond: Cond, scope: dict[str, Any]) -> bool:
-        value = _as_text(_value(scope[cond.name]))
-        result = value.strip() == cond.text if cond.kind == "equals" else cond.text in value
-        return result != cond.negated
-
-    def _text(self, tokens: list[int]) -> str:
-        return str(self.engine.lm.tokenizer.decode(tokens, skip_special_tokens=True))
-
     def _elapsed(self) -> float:
         return round(time.perf_counter() - self._started, 4)
 
@@ -370,37 +318,13 @@ class ProgramRun:
         yield from events
 
 
-def _ready(entry: Any) -> bool:
-    """Whether a scope entry can be yielded now: a value, or a fork that ended."""
-    return not isinstance(entry, _Branch) or entry.done or entry.killed
-
-
-def _value(entry: Any) -> Any:
-    """The value of a scope entry: a fork handle reads as what its branch returned."""
-    return entry.value if isinstance(entry, _Branch) else entry
-
-
 def _describe(exc: Exception) -> str:
     """One line for an error event: the run's own errors as they are, others with their type."""
     text = str(exc) if isinstance(exc, ProgramRuntimeError) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())
 
 
-def _as_text(value: Any) -> str:
-    if isinstance(value, list):
-        return "\n".join(str(v) for v in value)
-    return "" if value is None else str(value)
-
-
-def _list_items(text: str, complete_only: bool = False) -> list[str]:
-    """Lines of a generated list, bullets and numbering removed."""
-    lines = text.split("\n")
-    if complete_only:
-        lines = lines[:-1]  # the last line may still be growing
-    items = []
-    for line in lines:
-        item = line.strip().lstrip("-*•").strip()
-        item = item.split(". ", 1)[1] if item[:1].isdigit() and ". " in item[:4] else item
-        if item:
-            items.append(item)
-    return items
+def _holds(cond: ops.Cond, frame: Frame) -> bool:
+    value = as_text(value_of(frame[cond.value]))
+    result = value.strip() == cond.text if cond.kind == "equals" else cond.text in value
+    return result != cond.negated

@@ -33,6 +33,7 @@ from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
 from bench.sidecar import Sidecar
 from kvstore import shm
 from kvstore.client import KVClient
+from kvstore.config import store_data_file, store_lmdb_dir
 
 SERVER_ARGS = ["--metrics-listen", ""]
 
@@ -144,8 +145,8 @@ class Chaos:
         self._restart()
 
     def _damage(self) -> None:
-        lmdb_dir = self.data_dir / "lmdb"
-        if not (lmdb_dir / "data.mdb").exists():
+        lmdb_dir = store_lmdb_dir(self.data_dir)
+        if not store_data_file(self.data_dir).exists():
             return
         kind = self.rng.choice(["none", "chunk", "meta_token", "meta_byte"])
         if kind == "chunk" and faults.flip_chunk_byte(lmdb_dir, self.rng):

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.config import LMDB_DATA_FILE
 from kvstore.model import ModelSpec
 
 MODEL = ModelSpec("chaos-tiny", num_layers=2, num_kv_heads=2, head_dim=16)
@@ -81,7 +82,7 @@ def flip_chunk_byte(lmdb_dir: Path, rng: random.Random) -> bool:
     if not chunks:
         return False
     record = rng.choice(chunks)
-    return _flip_in_file(lmdb_dir / "data.mdb", record, rng.randrange(len(record)), rng.randrange(8)) > 0
+    return _flip_in_file(lmdb_dir / LMDB_DATA_FILE, record, rng.randrange(len(record)), rng.randrange(8)) > 0
 
 
 def flip_meta_token(lmdb_dir: Path, prefixes: list[Prefix], rng: random.Random) -> MetaFlip | None:
@@ -102,7 +103,7 @@ def flip_meta_token(lmdb_dir: Path, prefixes: list[Prefix], rng: random.Random) 
         return None
     record, at, prefix, start = rng.choice(found)
     index = rng.randrange(BLOCK_TOKENS)
-    if not _flip_in_file(lmdb_dir / "data.mdb", record, at + 4 * index, 0):
+    if not _flip_in_file(lmdb_dir / LMDB_DATA_FILE, record, at + 4 * index, 0):
         return None
     mutant = prefix.tokens.copy()
     mutant[start + index] ^= 1
@@ -115,7 +116,7 @@ def flip_meta_byte(lmdb_dir: Path, rng: random.Random) -> bool:
     if not records:
         return False
     record = rng.choice(records)
-    return _flip_in_file(lmdb_dir / "data.mdb", record, rng.randrange(len(record)), rng.randrange(8)) > 0
+    return _flip_in_file(lmdb_dir / LMDB_DATA_FILE, record, rng.randrange(len(record)), rng.randrange(8)) > 0
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from kvstore.cliflags import DeferredParser, Subcommands, add_command, add_flags, overrides, parameter_default
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, store_data_file
 from kvstore.errors import KVSieveError
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
@@ -166,7 +166,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     else:
         from kvstore.store import TieredStore
 
-        if not (args.data_dir / "lmdb" / "data.mdb").exists():
+        if not store_data_file(args.data_dir).exists():
             raise FileNotFoundError(f"no kvsieve store under {args.data_dir}")
         with TieredStore(StoreConfig(data_dir=args.data_dir)) as store:
             stats = store.stats()

@@ -75,7 +75,7 @@ def test_rpc_refuses_bad_budgets(server: ServerInThread) -> None:
     with KVClient(server.address) as client:
         with pytest.raises(InvalidInputError, match="unknown word 'all'"):
             client.load(make_tokens(64), model=TINY, budget="all")
-        with pytest.raises(InvalidInputError, match="coverage must be a fraction in \\(0, 1\\], got 1.5"):
+        with pytest.raises(InvalidInputError, match=r"coverage must be a fraction in \(0, 1\], got 1.5"):
             client.load(make_tokens(64), model=TINY, budget="auto", coverage=1.5)
     # A raw request (not checked by the client) is refused by the server, naming the word.
     with grpc.insecure_channel(server.address) as channel:

@@ -2,10 +2,12 @@
 
 Real KV and real attention from SmolLM2-135M over 20 windows of 1,024 tokens of
 Debian's license texts (bench/texts.py). For budgets 0.1, 0.25 and 0.5, in one run:
-read amplification (bytes read / bytes of the selected tokens) with the natural
-and the importance layout; teacher-forced quality against the full prefix (top-1
-agreement and mean KL over 32 continuation tokens) for kvsieve's prefill scorer
-and the baselines; load time at each budget against budget 1.0, cold.
+read amplification of the exact top tokens (bytes of the chunks holding them / their
+bytes) with the natural and the importance layout; what the store's loads really
+deliver and read (fractions of the prefix's tokens and bytes; whole chunks, best
+first); teacher-forced quality against the full prefix (top-1 agreement and mean KL
+over 32 continuation tokens) for kvsieve's prefill scorer and the baselines, and for
+budget=auto; load time at each budget against budget 1.0, cold.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from bench.cache import make_cold
 from bench.texts import token_windows
-from importance.layout import budget_to_tokens, select_chunks
+from importance.layout import budget_to_tokens
 from importance.scorers import (
     PrefillScorer,
     PrefixEvidence,
@@ -53,8 +55,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     lm = load_model(quiet=True)
     n, count = (512, 3) if quick else (1024, 20)
-    quality: dict[tuple[str, float], list[tuple[float, float]]] = {}
-    amp: dict[tuple[str, float], list[float]] = {}
+    quality: dict[tuple[str, float | str], list[tuple[float, float]]] = {}
+    amp: dict[tuple[str, float | str], list[float]] = {}
     times: dict[float, list[float]] = {}
     for _, ids in token_windows(lm.tokenizer, n + 1, count, tail=CONTINUATION):
         with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
@@ -76,16 +78,20 @@ def _one_prefix(lm: Any, ids: list[int], n: int, tmp: Path, quality: Any, amp: A
         )
         for scorer in SCORERS:
             engine = Engine(lm, store, namespace=scorer.name, collect_stats=False)
-            for budget in BUDGETS:
+            for budget in (*BUDGETS, "auto") if scorer.name == "prefill" else BUDGETS:
                 logits = engine.continuation_logits(prefix, continuation, budget)
                 quality.setdefault((scorer.name, budget), []).append(_agreement(reference, logits))
+        for budget in (*BUDGETS, "auto"):
+            with store.load(prefix[:n], model=lm.spec, namespace="prefill", budget=budget) as stream:
+                list(stream)
+            amp.setdefault(("delivered", budget), []).append(stream.delivered_fraction)
+            amp.setdefault(("read", budget), []).append(stream.read_fraction)
+            amp.setdefault(("coverage", budget), []).append(stream.estimated_coverage)
         for budget in BUDGETS:
-            stream = store.load(prefix[:n], model=lm.spec, namespace="prefill", budget=budget)
-            list(stream)
-            amp.setdefault(("importance", budget), []).append(stream.read_amplification)
-            amp.setdefault(("natural", budget), []).append(
-                _natural_read_amp(store, evidence, n, budget, lm.spec.token_bytes)
-            )
+            for layout in ("importance", "natural"):
+                amp.setdefault((layout, budget), []).append(
+                    _exact_top_read_amp(store, evidence, n, budget, lm.spec.token_bytes, layout)
+                )
     for budget in (*BUDGETS, 1.0):
         times.setdefault(budget, []).append(_cold_load_s(config, prefix[:n], lm.spec, budget))
 
@@ -99,21 +105,30 @@ def _prefill(lm: Any, tokens: list[int]) -> tuple[np.ndarray, PrefixEvidence]:
     return kv16, evidence
 
 
-def _natural_read_amp(
-    store: TieredStore, evidence: PrefixEvidence, n: int, budget: float, token_bytes: int
+def _exact_top_read_amp(
+    store: TieredStore, evidence: PrefixEvidence, n: int, budget: float, token_bytes: int, layout: str
 ) -> float:
-    """Read amplification of the same selection if blocks were stored in prompt order.
+    """Bytes of the chunks holding exactly the top `budget` tokens / bytes of those tokens.
 
-    Uses the store's own selection (importance.layout.select_chunks) with identity
-    layouts, and the encoded size of a chunk.
+    The top tokens are ranked across blocks by prefill score; "importance" stores
+    each block in descending score order (as the store does), "natural" in prompt
+    order. This is the layout's read amplification for a token-exact selection
+    (loads themselves read whole chunks and deliver them: see delivered_fraction_*).
     """
     config = store.config
     scores = PrefillScorer().score(evidence)
     blocks = [scores[i : i + config.block_tokens] for i in range(0, n, config.block_tokens)]
-    selection = select_chunks(blocks, budget_to_tokens(budget, n), config.chunk_tokens)
-    chunk_bytes = store.stats().tiers["lmdb"].used_bytes / store.stats().tiers["lmdb"].num_chunks
-    read = sum(len(s.chunks) for s in selection) * chunk_bytes
-    return float(read / (sum(s.selected_tokens for s in selection) * token_bytes))
+    if layout == "importance":
+        blocks = [np.sort(b)[::-1] for b in blocks]  # importance_order: descending score
+    flat = np.concatenate(blocks).astype(np.float64)
+    slots = np.concatenate([np.arange(len(b)) for b in blocks])
+    block_of = np.concatenate([np.full(len(b), i) for i, b in enumerate(blocks)])
+    wanted = budget_to_tokens(budget, n)
+    top = np.lexsort((block_of, slots, -flat))[:wanted]
+    chunks = {(int(block_of[t]), int(slots[t]) // config.chunk_tokens) for t in top}
+    lmdb = store.stats().tiers["lmdb"]
+    chunk_bytes = lmdb.used_bytes / lmdb.num_chunks
+    return float(len(chunks) * chunk_bytes / (wanted * token_bytes))
 
 
 def _cold_load_s(config: StoreConfig, tokens: list[int], spec: Any, budget: float) -> float:
@@ -147,5 +162,13 @@ def _summary(lm: Any, n: int, count: int, quality: Any, amp: Any, times: Any) ->
             out[f"top1_{NAMES[scorer.name]}_{tag}"] = round(float(np.mean([p[0] for p in pairs])), 4)
             out[f"kl_{NAMES[scorer.name]}_{tag}"] = round(float(np.mean([p[1] for p in pairs])), 4)
         out[f"load_time_ratio_{tag}"] = round(statistics.median(times[budget]) / full, 3)
+    for named in (*BUDGETS, "auto"):
+        tag = named if isinstance(named, str) else f"{named:g}".replace(".", "_")
+        for kind in ("delivered", "read"):
+            out[f"{kind}_fraction_{tag}"] = round(float(np.mean(amp[(kind, named)])), 4)
+        out[f"estimated_coverage_{tag}"] = round(float(np.mean(amp[("coverage", named)])), 4)
+    pairs = quality[("prefill", "auto")]
+    out["top1_importance_auto"] = round(float(np.mean([p[0] for p in pairs])), 4)
+    out["kl_importance_auto"] = round(float(np.mean([p[1] for p in pairs])), 4)
     out["load_s_budget_1"] = round(full, 4)
     return out

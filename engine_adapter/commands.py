@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.api import LoadStream
+from kvstore.budget import AutoBudget, parse_budget, resolve_budget
 from kvstore.cliflags import Subcommands, add_command, add_flags, build_from_flags_and_env, parameter_default
-from kvstore.errors import KVSieveError
+from kvstore.errors import InvalidInputError, KVSieveError
 from kvstore.server.config import ServerConfig
 from kvstore.settings import build_config
 
@@ -65,8 +67,14 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
         "its blocks are cached, so later questions about it load them instead of recomputing",
     )
     p.add_argument(
-        "--budget", type=float, default=budget, help="fraction of the cached prefix to load, (0, 1]"
-    )
+        "--budget", type=_budget_arg, default=budget,
+        help="fraction of the cached prefix to load, (0, 1] (whole chunks, best first), or 'auto': "
+        "the fewest chunks holding --coverage of the estimated attention mass (10-100%% of the prefix)",
+    )  # fmt: skip
+    p.add_argument(
+        "--coverage", type=_fraction_arg, default=None,
+        help=f"with --budget auto: attention mass to cover, (0, 1] (default {AutoBudget().coverage})",
+    )  # fmt: skip
     _add_model_flags(p, no_store=True)
     p.add_argument("--max-tokens", type=int, default=sampling.max_tokens,
                    help=f"tokens to generate at most (default {sampling.max_tokens})")  # fmt: skip
@@ -135,17 +143,50 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": user}
     ]
+    budget = resolve_budget(args.budget, coverage=args.coverage)  # before the model loads
     lm = load_model(args.model)
     store = _open_store(args)
     try:
-        result = Engine(lm, store, namespace=args.namespace).generate(messages, sampling, budget=args.budget)
+        engine = Engine(lm, store, namespace=args.namespace)
+        result = engine.generate(messages, sampling, budget=budget)
     finally:
         if store is not None:
             store.close()
     print(result.text)
     if args.verbose:
         _print_timings(args, result, lm.spec.fingerprint.hex())
+        _print_budget(budget, engine.last_load)
     return 0
+
+
+def _budget_arg(text: str) -> float | AutoBudget:
+    try:
+        return parse_budget(text)
+    except InvalidInputError as exc:  # argparse shows only its own text for a ValueError
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"coverage must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _print_budget(budget: float | int | AutoBudget, stream: LoadStream | None) -> None:
+    """`generate -v`: what the budget really delivered and read (stderr)."""
+    if stream is None:
+        return
+    word = f"auto (coverage {budget.coverage})" if isinstance(budget, AutoBudget) else f"{budget}"
+    print(
+        f"budget {word}: delivered {stream.delivered_fraction:.1%} of the cached prefix's tokens, "
+        f"read {stream.read_fraction:.1%} of its bytes, "
+        f"estimated attention mass {stream.estimated_coverage:.1%}",
+        file=sys.stderr,
+    )
 
 
 def _print_timings(args: argparse.Namespace, result: Any, fingerprint: str) -> None:

@@ -25,7 +25,8 @@ from engine_adapter.chat import ChatFormat
 from engine_adapter.decode import Completion, Sampler
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling
-from kvstore.api import PrefixStore
+from kvstore.api import LoadStream, PrefixStore
+from kvstore.budget import Budget
 
 Messages = Sequence[dict[str, str]]
 
@@ -93,6 +94,8 @@ class Engine:
         self.collect_stats = collect_stats
         #: Chat turns as token ids, from the tokenizer's chat template (the DSL's messages too).
         self.chat = ChatFormat(lm.tokenizer)
+        #: The last load's stream (closed): what its budget delivered and read.
+        self.last_load: LoadStream | None = None
 
     # -- prompts ------------------------------------------------------------------
 
@@ -110,7 +113,7 @@ class Engine:
     # -- prefill ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int], budget: float = 1.0) -> Prefill:
+    def prefill(self, ids: Sequence[int], budget: Budget = 1.0) -> Prefill:
         """Compute the prompt, reusing cached prefix KV; stores and reports as described above."""
         timings = Timings()
         matched = self._lookup(ids, timings)
@@ -137,7 +140,7 @@ class Engine:
         return int(found)
 
     def _load(
-        self, ids: Sequence[int], matched: int, budget: float, timings: Timings
+        self, ids: Sequence[int], matched: int, budget: Budget, timings: Timings
     ) -> tuple[Any, Any, int]:
         """(positions of the loaded tokens, the cache holding them, prefix length covered)."""
         from transformers import DynamicCache
@@ -147,6 +150,7 @@ class Engine:
             return np.zeros(0, np.int64), cache, 0
         t0 = time.perf_counter()
         stream = self.store.load(ids[:matched], model=self.lm.spec, namespace=self.namespace, budget=budget)
+        self.last_load = stream  # its fractions stay readable after close (`generate -v`)
         with stream:
             positions, kv = stream.gather(self.lm.spec)
             covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
@@ -220,7 +224,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(
-        self, prompt: str | Messages | Sequence[int], sampling: Sampling | None = None, budget: float = 1.0
+        self, prompt: str | Messages | Sequence[int], sampling: Sampling | None = None, budget: Budget = 1.0
     ) -> GenerateResult:
         """Answer a prompt (see module docstring)."""
         sampling = sampling or Sampling()
@@ -292,7 +296,7 @@ class Engine:
 
     @torch.inference_mode()
     def continuation_logits(
-        self, prefix: Sequence[int], continuation: Sequence[int], budget: float = 1.0
+        self, prefix: Sequence[int], continuation: Sequence[int], budget: Budget = 1.0
     ) -> torch.Tensor:
         """Logits predicting each token of `continuation` after `prefix` (teacher forcing).
 

@@ -25,42 +25,134 @@ def importance_order(scores: np.ndarray[Any, Any] | None, num_tokens: int) -> np
 
 
 class BlockSelection(NamedTuple):
-    """What to read of one block: chunk indices and how many of its tokens were selected."""
+    """What to read of one block: chunk indices (ascending) and the tokens they hold."""
 
     chunks: list[int]
     selected_tokens: int
 
 
+class ChunkRanking(NamedTuple):
+    """Every chunk of the matched blocks, best first: block, chunk index, tokens, value."""
+
+    blocks: np.ndarray[Any, Any]
+    chunks: np.ndarray[Any, Any]
+    sizes: np.ndarray[Any, Any]
+    values: np.ndarray[Any, Any]
+
+
+def rank_chunks(
+    slot_scores: Sequence[np.ndarray[Any, Any]], chunk_tokens: int, *, normalise: bool = False
+) -> ChunkRanking:
+    """Rank the chunks of the matched blocks by their tokens' current scores.
+
+    The value of a chunk is its tokens' mean score: every chunk costs its size in
+    bytes, so mean score is value per byte, and for equal-sized chunks it ranks
+    exactly as the sum does. With `normalise`, the value is instead the chunk's
+    share of the estimated attention mass: each block's (non-negative) scores
+    divided by their sum (uniform if all zero), over the number of blocks, so all
+    values sum to 1. Ties rank by chunk index, then block: unscored blocks share a
+    budget evenly, each reading its leading chunks.
+    """
+    rows: list[tuple[int, int, int, float]] = []
+    for b, raw in enumerate(slot_scores):
+        s = np.asarray(raw, dtype=np.float64)
+        if normalise:
+            s = np.clip(s, 0.0, None)
+            total = s.sum()
+            s = (s / total if total > 0 else np.full(len(s), 1.0 / max(1, len(s)))) / len(slot_scores)
+        for c in range(0, len(s), chunk_tokens):
+            part = s[c : c + chunk_tokens]
+            rows.append((b, c // chunk_tokens, len(part), float(part.sum() if normalise else part.mean())))
+    table = np.array(rows, dtype=np.float64).reshape(-1, 4)
+    order = np.lexsort((table[:, 0], table[:, 1], -table[:, 3]))
+    table = table[order]
+    ints = table[:, :3].astype(np.int64)
+    return ChunkRanking(ints[:, 0], ints[:, 1], ints[:, 2], table[:, 3])
+
+
+def _selection(ranking: ChunkRanking, taken: int, num_blocks: int) -> list[BlockSelection]:
+    """The first `taken` chunks of `ranking`, grouped by block."""
+    out = []
+    for b in range(num_blocks):
+        mine = ranking.blocks[:taken] == b
+        out.append(
+            BlockSelection(
+                sorted(int(c) for c in ranking.chunks[:taken][mine]), int(ranking.sizes[:taken][mine].sum())
+            )
+        )
+    return out
+
+
+def _chunks_within(sizes: np.ndarray[Any, Any], budget_tokens: int) -> int:
+    """How many leading chunks a token budget reads: each one starting below the budget.
+
+    So the tokens delivered are at most the budget plus one partial chunk (the last).
+    """
+    before = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return int(np.count_nonzero(before < budget_tokens))
+
+
 def select_chunks(
     slot_scores: Sequence[np.ndarray[Any, Any]], budget_tokens: int, chunk_tokens: int
 ) -> list[BlockSelection]:
-    """Rank all tokens of the matched blocks and pick the chunks that hold the top ones.
+    """Whole chunks, best mean score first, until they hold `budget_tokens` tokens.
 
     Args:
         slot_scores: per block, the score of each stored slot (in stored order).
-        budget_tokens: how many tokens to select over all blocks.
+        budget_tokens: tokens to deliver over all blocks.
         chunk_tokens: tokens per chunk.
 
-    Ties rank by slot, then by block: unscored blocks (all zeros) then share the
-    budget evenly and each reads its leading chunks.
+    Returns:
+        Per block, the chunks to read. Their tokens total at most `budget_tokens`
+        plus one partial chunk (less than `chunk_tokens` over it), over all blocks.
     """
     if not slot_scores:
         return []
-    scores = np.concatenate([np.asarray(s, dtype=np.float64) for s in slot_scores])
-    slots = np.concatenate([np.arange(len(s)) for s in slot_scores])
-    blocks = np.concatenate([np.full(len(s), b) for b, s in enumerate(slot_scores)])
-    budget_tokens = max(0, min(budget_tokens, len(scores)))
-    order = np.lexsort((blocks, slots, -scores))[:budget_tokens]
-    out = []
-    for b in range(len(slot_scores)):
-        chosen = slots[order][blocks[order] == b]
-        out.append(BlockSelection(sorted({int(s) // chunk_tokens for s in chosen}), len(chosen)))
-    return out
+    ranking = rank_chunks(slot_scores, chunk_tokens)
+    return _selection(ranking, _chunks_within(ranking.sizes, budget_tokens), len(slot_scores))
+
+
+class CoverageSelection(NamedTuple):
+    """`select_by_coverage`'s choice and the estimated attention mass it holds, in [0, 1]."""
+
+    blocks: list[BlockSelection]
+    mass: float
+
+
+def select_by_coverage(
+    slot_scores: Sequence[np.ndarray[Any, Any]],
+    chunk_tokens: int,
+    coverage: float,
+    min_tokens: int,
+    max_tokens: int,
+) -> CoverageSelection:
+    """The fewest chunks whose estimated attention mass reaches `coverage`, within bounds.
+
+    Chunks are taken by descending mass (see `rank_chunks(normalise=True)`): at least
+    as many as a token budget of `min_tokens` reads, then more until the mass
+    reaches `coverage`, but never more than a token budget of `max_tokens` reads.
+    """
+    if not slot_scores:
+        return CoverageSelection([], 0.0)
+    ranking = rank_chunks(slot_scores, chunk_tokens, normalise=True)
+    low = _chunks_within(ranking.sizes, min_tokens)
+    high = max(low, _chunks_within(ranking.sizes, max_tokens))
+    mass_before = np.concatenate([[0.0], np.cumsum(ranking.values)[:-1]])
+    # Float sums of shares that total 1 may land a hair under it: allow 1e-9.
+    needed = int(np.count_nonzero(mass_before < coverage - 1e-9))
+    taken = min(max(low, needed), high)
+    return CoverageSelection(
+        _selection(ranking, taken, len(slot_scores)), float(ranking.values[:taken].sum())
+    )
 
 
 def budget_to_tokens(budget: float, total_tokens: int) -> int:
     """Tokens selected by a fraction budget in (0, 1]: ceil(budget * total)."""
     return min(total_tokens, math.ceil(budget * total_tokens - 1e-9))
+
+
+DEFAULT_MIN_CHANGE = 0.2
+"""A block whose `layout_change` exceeds this is due for re-layout (`kvsieve relayout`)."""
 
 
 def top_set(scores: np.ndarray[Any, Any], fraction: float) -> set[int]:

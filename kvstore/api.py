@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from kvstore.budget import AutoBudget, Budget
 from kvstore.model import ModelSpec
 from kvstore.results import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult
 from kvstore.stats import StoreStats
@@ -29,6 +30,8 @@ Tokens = Sequence[int] | Array
 
 __all__ = [
     "DEFAULT_NAMESPACE",
+    "AutoBudget",
+    "Budget",
     "Lease",
     "LoadStream",
     "LoadedChunk",
@@ -85,10 +88,15 @@ class LoadStream(Protocol):
     Attributes (final once the stream is exhausted):
         matched_tokens: prefix length the lookup promised.
         num_tokens: prefix length actually delivered (shorter if a block was lost).
-        selected_tokens: tokens the budget selected.
-        delivered_tokens: tokens in the delivered chunks (>= selected within whole chunks).
+        selected_tokens: tokens of the chunks the budget selected (whole chunks).
+        delivered_tokens: tokens in the delivered chunks (== selected unless a block was lost).
         bytes_read: encoded bytes read from all tiers.
         read_amplification: bytes read / bytes of the selected tokens (1.0 if none).
+        delivered_fraction: delivered tokens / matched tokens (0.0 if none matched): what
+            a budget really delivered.
+        read_fraction: bytes read / encoded bytes of the matched prefix (0.0 if none).
+        estimated_coverage: share of the estimated attention mass (the blocks'
+            normalised scores) in the selected chunks; 1.0 at budget 1.0.
     """
 
     matched_tokens: int
@@ -96,9 +104,16 @@ class LoadStream(Protocol):
     selected_tokens: int
     delivered_tokens: int
     bytes_read: int
+    estimated_coverage: float
 
     @property
     def read_amplification(self) -> float: ...
+
+    @property
+    def delivered_fraction(self) -> float: ...
+
+    @property
+    def read_fraction(self) -> float: ...
 
     def __iter__(self) -> Iterator[LoadedChunk]: ...
 
@@ -176,14 +191,22 @@ class PrefixStore(Protocol):
         *,
         model: ModelSpec,
         namespace: str = DEFAULT_NAMESPACE,
-        budget: float = 1.0,
+        budget: Budget = 1.0,
         budget_tokens: int | None = None,
+        coverage: float | None = None,
     ) -> LoadStream:
         """Stream the cached prefix of `tokens`, or its most important share.
 
         Args:
-            budget: fraction of the matched prefix's tokens to select, in (0, 1].
+            budget: fraction of the matched prefix's tokens to deliver, in (0, 1]: whole
+                chunks, best mean score first, at most one partial chunk over the
+                fraction; or "auto" / an `AutoBudget`: the fewest chunks holding
+                `coverage` of the estimated attention mass, within its fractions.
             budget_tokens: a token count instead of a fraction (overrides `budget`).
+            coverage: the coverage target of budget="auto" (default 0.9), in (0, 1].
+
+        Raises:
+            InvalidInputError: a bad budget, word or coverage (before anything is read).
 
         Reads chunks from the fastest tier holding them and promotes them to memory.
         A block that fails its checksum or is gone from every tier ends the stream

@@ -23,6 +23,7 @@ from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
+from kvstore.budget import Budget, budget_to_fields, resolve_budget
 from kvstore.client_arenas import ArenaPool, ClientArena
 from kvstore.errors import KVSieveError
 from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
@@ -125,13 +126,13 @@ class KVClient:
         *,
         model: ModelSpec,
         namespace: str = DEFAULT_NAMESPACE,
-        budget: float = 1.0,
+        budget: Budget = 1.0,
         budget_tokens: int | None = None,
+        coverage: float | None = None,
     ) -> RemoteLoadStream:
         toks = _tokens(tokens)
-        request = pb.LoadRequest(
-            ctx=_ctx(model, namespace), tokens=toks, budget=budget, budget_tokens=budget_tokens or 0
-        )
+        fields = budget_to_fields(resolve_budget(budget, budget_tokens, coverage))
+        request = pb.LoadRequest(ctx=_ctx(model, namespace), tokens=toks, **fields)
         self._release_orphans()
         arena = None
         if self._shm and len(toks):
@@ -244,6 +245,8 @@ class RemoteLoadStream:
         self.matched_tokens = self.num_tokens = self.selected_tokens = 0
         self.delivered_tokens = self.bytes_read = 0
         self.read_amplification = 1.0
+        self.delivered_fraction = self.read_fraction = 0.0
+        self.estimated_coverage = 1.0
         self._started = False
 
     def __iter__(self) -> Iterator[LoadedChunk]:
@@ -322,6 +325,9 @@ class RemoteLoadStream:
         self.bytes_read = trailer.bytes_read
         self.read_amplification = trailer.read_amplification
         self.delivered_tokens = trailer.delivered_tokens
+        self.delivered_fraction = trailer.delivered_fraction
+        self.read_fraction = trailer.read_fraction
+        self.estimated_coverage = trailer.estimated_coverage
 
     def _chunk(self, chunk: pb.Chunk) -> LoadedChunk:
         n = len(chunk.positions)

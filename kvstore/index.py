@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from importance.layout import budget_to_tokens, select_chunks
+from importance.layout import BlockSelection, budget_to_tokens, rank_chunks, select_by_coverage, select_chunks
 from kvstore.api import Lease
+from kvstore.budget import AutoBudget
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError, TierFullError
 from kvstore.eviction import create_policy
@@ -39,12 +40,19 @@ from radix import MatchResult, Node, RadixTree, RootId
 
 
 class LoadPlan(NamedTuple):
-    """What a load reads: the matched blocks and, for each, the chunk indices the budget selects."""
+    """What a load reads: the matched blocks and, for each, the chunk indices the budget selects.
+
+    `selected_tokens` counts the tokens of the selected chunks; `prefix_bytes` the
+    encoded bytes of all matched blocks; `estimated_coverage` the share of the
+    estimated attention mass (normalised slot scores) the selected chunks hold.
+    """
 
     matched_tokens: int
     selected_tokens: int
     blocks: list[BlockMeta]
     chunks: list[list[int]]
+    prefix_bytes: int = 0
+    estimated_coverage: float = 1.0
 
 
 class StoreIndex:
@@ -137,16 +145,28 @@ class StoreIndex:
 
     # -- selection ----------------------------------------------------------------
 
-    def plan_load(self, match: MatchResult, budget: float, budget_tokens: int | None) -> LoadPlan:
-        """Chunks to read for a load of `match` at a budget (a fraction, or a token count).
+    def plan_load(self, match: MatchResult, budget: float | int | AutoBudget) -> LoadPlan:
+        """Chunks to read for a load of `match` at a budget from `kvstore.budget.resolve_budget`.
 
-        The budget must have passed `kvstore.results.check_budget`.
+        A fraction or a token count (an int) reads whole chunks, best mean score first,
+        until they hold the budget's tokens; an `AutoBudget` reads the fewest chunks
+        whose estimated attention mass reaches its coverage, within its bounds.
         """
         metas: list[BlockMeta] = [n.payload for n in match.nodes]
-        wanted = budget_tokens if budget_tokens is not None else budget_to_tokens(budget, match.num_tokens)
-        selection = select_chunks([_slot_scores(m) for m in metas], wanted, self._config.chunk_tokens)
+        slot_scores = [_slot_scores(m) for m in metas]
+        chunk = self._config.chunk_tokens
+        n = match.num_tokens
+        if isinstance(budget, AutoBudget):
+            low, high = (budget_to_tokens(f, n) for f in (budget.min_fraction, budget.max_fraction))
+            chosen = select_by_coverage(slot_scores, chunk, budget.coverage, low, high)
+            selection, coverage = chosen.blocks, chosen.mass
+        else:
+            wanted = budget if isinstance(budget, int) else budget_to_tokens(budget, n)
+            selection = select_chunks(slot_scores, wanted, chunk)
+            coverage = _mass_share(slot_scores, selection, chunk)
         selected = sum(s.selected_tokens for s in selection)
-        return LoadPlan(match.num_tokens, selected, metas, [s.chunks for s in selection])
+        prefix_bytes = sum(m.nbytes for m in metas)
+        return LoadPlan(n, selected, metas, [s.chunks for s in selection], prefix_bytes, coverage)
 
     # -- eviction -----------------------------------------------------------------
 
@@ -238,6 +258,16 @@ class StoreIndex:
         for index in range(meta.num_chunks):
             self._policy.remove((meta.key, index))
         self._memory.delete_block(meta.key)
+
+
+def _mass_share(slot_scores: Sequence[np.ndarray], selection: Sequence[BlockSelection], chunk: int) -> float:
+    """Share of the estimated attention mass (see importance.layout.rank_chunks) selected."""
+    if not slot_scores:
+        return 1.0
+    ranking = rank_chunks(slot_scores, chunk, normalise=True)
+    wanted = {(b, c) for b, s in enumerate(selection) for c in s.chunks}
+    held = [(int(b), int(c)) in wanted for b, c in zip(ranking.blocks, ranking.chunks, strict=True)]
+    return float(ranking.values[np.asarray(held, dtype=bool)].sum())
 
 
 def _slot_scores(meta: BlockMeta) -> np.ndarray:

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from importance.layout import budget_to_tokens, chunks_for_top, importance_order, layout_change
+from importance.layout import (
+    DEFAULT_MIN_CHANGE,
+    budget_to_tokens,
+    chunks_for_top,
+    importance_order,
+    layout_change,
+)
 from kvstore.codec import decode_chunk, encode_chunk
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
@@ -51,7 +57,7 @@ class RelayoutReport:
 
 def relayout(
     data_dir: str | Path,
-    min_change: float = 0.2,
+    min_change: float = DEFAULT_MIN_CHANGE,
     fraction: float = 0.25,
     dry_run: bool = False,
     progress: bool = False,

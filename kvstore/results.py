@@ -58,6 +58,8 @@ class LocalLoadStream:
         block_tokens: tokens per block (a lost block ends the stream at its start).
         blocks: each block's verified chunks in order; None for a lost block, which ends it.
         on_finish: called once when the stream is exhausted (the store's counters).
+        prefix_bytes: encoded bytes of all the matched blocks (for `read_fraction`).
+        estimated_coverage: share of the estimated attention mass the plan selected.
     """
 
     def __init__(
@@ -68,12 +70,16 @@ class LocalLoadStream:
         block_tokens: int,
         blocks: Iterator[list[LoadedChunk] | None],
         on_finish: Callable[[LocalLoadStream], None] = lambda stream: None,
+        prefix_bytes: int = 0,
+        estimated_coverage: float = 1.0,
     ) -> None:
         self.matched_tokens = matched_tokens
         self.num_tokens = matched_tokens
         self.selected_tokens = selected_tokens
         self.delivered_tokens = 0
         self.bytes_read = 0
+        self.prefix_bytes = prefix_bytes
+        self.estimated_coverage = estimated_coverage
         self._token_bytes = token_bytes
         self._block_tokens = block_tokens
         self._blocks = blocks
@@ -86,6 +92,16 @@ class LocalLoadStream:
         """Bytes read / bytes of the selected tokens (1.0 when nothing was selected)."""
         wanted = self.selected_tokens * self._token_bytes
         return self.bytes_read / wanted if wanted else 1.0
+
+    @property
+    def delivered_fraction(self) -> float:
+        """Tokens delivered / tokens of the matched prefix (0.0 when nothing matched)."""
+        return self.delivered_tokens / self.matched_tokens if self.matched_tokens else 0.0
+
+    @property
+    def read_fraction(self) -> float:
+        """Bytes read / encoded bytes of the matched prefix (0.0 when nothing matched)."""
+        return self.bytes_read / self.prefix_bytes if self.prefix_bytes else 0.0
 
     def __iter__(self) -> Iterator[LoadedChunk]:
         return self
@@ -156,13 +172,3 @@ def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) 
         if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
             raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {scores.shape}")
     return kv, scores
-
-
-def check_budget(budget: float, budget_tokens: int | None) -> None:
-    """Raise `InvalidInputError` unless the budget is a fraction in (0, 1] or a token count >= 1."""
-    if budget_tokens is not None:
-        if not isinstance(budget_tokens, int | np.integer) or budget_tokens < 1:
-            raise InvalidInputError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
-        return
-    if not isinstance(budget, int | float) or not 0.0 < float(budget) <= 1.0:
-        raise InvalidInputError(f"budget must be a fraction in (0, 1], got {budget!r}")

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from importance.history import accumulate, decay_factor
+from importance.layout import DEFAULT_MIN_CHANGE, layout_change
 from kvstore.api import Lease, LoadStream, StoreInfo, Tokens
+from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.index import StoreIndex
@@ -37,7 +39,6 @@ from kvstore.results import (
     LocalLoadStream,
     LookupResult,
     StoreResult,
-    check_budget,
     gather_chunks,
     validate_kv,
 )
@@ -158,15 +159,17 @@ class TieredStore:
         *,
         model: ModelSpec,
         namespace: str = DEFAULT_NAMESPACE,
-        budget: float = 1.0,
+        budget: Budget = 1.0,
         budget_tokens: int | None = None,
+        coverage: float | None = None,
     ) -> LocalLoadStream:
         toks = as_token_array(tokens)
-        check_budget(budget, budget_tokens)
-        plan = self.index.plan_load(self._match(self._root(model, namespace), toks), budget, budget_tokens)
+        resolved = resolve_budget(budget, budget_tokens, coverage)
+        plan = self.index.plan_load(self._match(self._root(model, namespace), toks), resolved)
         stream = LocalLoadStream(
             plan.matched_tokens, plan.selected_tokens, model.token_bytes, self.config.block_tokens,
             self.mover.read_blocks(plan), functools.partial(self._load_finished, model.token_bytes),
+            plan.prefix_bytes, plan.estimated_coverage,
         )  # fmt: skip
         self.counters.add("loads")
         return stream
@@ -196,12 +199,14 @@ class TieredStore:
         match = self.index.match(self._root(model, namespace), toks, touch=False)
         decay = decay_factor(self.config.score_half_life_reports)
         b = self.config.block_tokens
+        drifted = 0
         for i, node in enumerate(match.nodes):
             meta: BlockMeta = node.payload
             updated = replace(meta, scores=accumulate(meta.scores, values[i * b : (i + 1) * b], decay))
             self.mover.put_meta(updated)
             self.index.update(node, updated)
-        self.counters.add("score_reports")
+            drifted += _newly_drifted(meta, updated)
+        self.counters.add_many({"score_reports": 1, "layout_drifted_blocks": drifted})
         return len(match.nodes)
 
     def stats(self) -> StoreStats:
@@ -245,3 +250,11 @@ class TieredStore:
 
     def _root(self, model: ModelSpec, namespace: str) -> Root:
         return (namespace_digest(namespace), model.fingerprint)
+
+
+def _newly_drifted(before: BlockMeta, after: BlockMeta) -> bool:
+    """The report moved the block's ranking past DEFAULT_MIN_CHANGE from its layout (it is
+    now due for `kvsieve relayout`; it keeps loading correctly, reading chunks by score)."""
+    assert after.scores is not None
+    was = 0.0 if before.scores is None else layout_change(before.scores, before.permutation)
+    return was <= DEFAULT_MIN_CHANGE < layout_change(after.scores, after.permutation)

@@ -15,7 +15,9 @@ PUBLISHED = {
     "ttft": "ttft_speedup_disk_2048 ttft_speedup_budget_2048 top1_budget_0_25 kl_budget_0_25 stats_overhead",
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
-    "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5",
+    "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5 "
+    "delivered_fraction_0_1 delivered_fraction_0_25 delivered_fraction_0_5 delivered_fraction_auto "
+    "read_fraction_0_25 estimated_coverage_auto top1_importance_auto",
     "radix": "match_us_kvsieve insert_us_kvsieve bytes_per_block_kvsieve",
     "chaos": "server_kills client_kills flips_injected loads_checked wrong_kv server_crashes_unplanned "
     "leaked_segments",

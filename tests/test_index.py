@@ -143,6 +143,6 @@ def test_load_plan_selects_the_chunk_holding_the_top_scored_tokens() -> None:
     a, _ = make_block(21)  # stored in prompt order: slots 6 and 7 (chunk 3) score highest
     index = index_over(MemoryTier(1 << 20))
     index.insert(ROOT, replace(a, scores=np.arange(8, dtype=np.float32)))
-    plan = index.plan_load(index.match(ROOT, a.tokens), budget=0.25, budget_tokens=None)
+    plan = index.plan_load(index.match(ROOT, a.tokens), 0.25)
     assert (plan.matched_tokens, plan.selected_tokens, plan.chunks) == (8, 2, [[3]])
     assert [m.key for m in plan.blocks] == [a.key]

@@ -20,6 +20,7 @@ from typing_extensions import override
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, LoadStream
+from kvstore.budget import budget_from_fields
 from kvstore.errors import ArenaLimitError, InvalidInputError, NotFoundError
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
@@ -149,6 +150,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     bytes_read=stream.bytes_read,
                     read_amplification=stream.read_amplification,
                     delivered_tokens=stream.delivered_tokens,
+                    delivered_fraction=stream.delivered_fraction,
+                    read_fraction=stream.read_fraction,
+                    estimated_coverage=stream.estimated_coverage,
                 )
             )
             self._tenants.add(namespace, {"loads": 1, "bytes_read": stream.bytes_read})
@@ -245,7 +249,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
         return self._store.load(
             self._tokens(request.tokens), model=model, namespace=namespace,
-            budget=request.budget or 1.0, budget_tokens=request.budget_tokens or None,
+            budget=budget_from_fields(request), budget_tokens=request.budget_tokens or None,
         )  # fmt: skip
 
     def _report_scores(self, request: pb.ReportScoresRequest, model: ModelSpec, namespace: str) -> int:

@@ -131,7 +131,7 @@ class ReleaseSegmentResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id")
+    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id", "budget_mode", "coverage", "min_fraction", "max_fraction")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,10 @@ class LoadRequest(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MODE_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRACTION_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: float
@@ -146,7 +150,11 @@ class LoadRequest(_message.Message):
     shm_name: str
     shm_bytes: int
     arena_id: str
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
+    budget_mode: str
+    coverage: float
+    min_fraction: float
+    max_fraction: float
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ..., budget_mode: _Optional[str] = ..., coverage: _Optional[float] = ..., min_fraction: _Optional[float] = ..., max_fraction: _Optional[float] = ...) -> None: ...
 
 class LoadHeader(_message.Message):
     __slots__ = ("matched_tokens", "selected_tokens", "shm")
@@ -189,16 +197,22 @@ class ChunkBatch(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class LoadTrailer(_message.Message):
-    __slots__ = ("num_tokens", "bytes_read", "read_amplification", "delivered_tokens")
+    __slots__ = ("num_tokens", "bytes_read", "read_amplification", "delivered_tokens", "delivered_fraction", "read_fraction", "estimated_coverage")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     READ_AMPLIFICATION_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    READ_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_COVERAGE_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     bytes_read: int
     read_amplification: float
     delivered_tokens: int
-    def __init__(self, num_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_amplification: _Optional[float] = ..., delivered_tokens: _Optional[int] = ...) -> None: ...
+    delivered_fraction: float
+    read_fraction: float
+    estimated_coverage: float
+    def __init__(self, num_tokens: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_amplification: _Optional[float] = ..., delivered_tokens: _Optional[int] = ..., delivered_fraction: _Optional[float] = ..., read_fraction: _Optional[float] = ..., estimated_coverage: _Optional[float] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "batch")

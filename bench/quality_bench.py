@@ -17,9 +17,12 @@ same bytes at 0.1 / 0.25 / 0.5 of the prefix (summaries included) and at `auto`
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,15 +32,19 @@ from bench.quality_masking import MaskPlan, masking, plans_active
 from bench.quality_methods import PrefixState, QAConfig, chooser, summary_fraction
 from bench.texts import token_windows
 from importance.scorers import PrefillScorer, PrefixEvidence
+from importance.selection import reads_summary
 from importance.summaries import AutoBudget, Budget, FixedBudget
 
 BUDGETS: tuple[float | str, ...] = (0.1, 0.25, 0.5, "auto")
 AUTO = AutoBudget(coverage=0.9, min_fraction=0.1, max_fraction=0.5)
-SUMMARIES = ("minmax", "mean", "lowbit2", "lowbit4")
+SUMMARIES = ("minmax", "mean", "lowbit2")
 SHIPPED = "lowbit2"
 SHIPPED_CONFIG = QAConfig()
 METHODS = ("static", "sink_recent", "snapkv", *(f"qa_{s}" for s in SUMMARIES), "oracle")
-BATCH = 11  # rows per forward pass: batching the methods is ~2x faster on CPU
+BATCH = 12  # rows per forward pass: batching the methods is ~2x faster on CPU
+#: Where each finished window's records are appended (JSON lines), if set: a long run
+#: that is stopped keeps its windows, and `python -m bench.quality_bench FILE` summarises them.
+RECORDS_ENV = "KVSIEVE_QUALITY_RECORDS"
 PREFIX, CONTINUATION, ANSWER = 1024, 32, 16
 QUESTIONS = (
     "Summarise the text in one sentence.",
@@ -71,12 +78,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     from engine_adapter.model import load_model
 
     lm = load_model(quiet=True)
-    count, questions = (1, QUESTIONS[:1]) if quick else (20, QUESTIONS[:2])
+    count, questions, prefix = (1, QUESTIONS[:1], 512) if quick else (20, QUESTIONS[:2], PREFIX)
     jobs = [Job(m, m, b, SHIPPED_CONFIG) for b in BUDGETS for m in METHODS]
-    records = evaluate(lm, count, questions, jobs, f"qa_{SHIPPED}")
+    sink = os.environ.get(RECORDS_ENV)
+    records = evaluate(lm, count, questions, jobs, f"qa_{SHIPPED}", prefix, Path(sink) if sink else None)
     out = summarise(records, METHODS, BUDGETS)
     out |= {"model": lm.spec.name, "text": "Debian /usr/share/common-licenses", "windows": count}
-    out |= {"prefix_tokens": PREFIX, "continuation_tokens": CONTINUATION, "answer_tokens": ANSWER}
+    out |= {"prefix_tokens": prefix, "continuation_tokens": CONTINUATION, "answer_tokens": ANSWER}
     out |= {"questions_per_window": len(questions), "shipped_summary": SHIPPED}
     out |= {"chunk_tokens": SHIPPED_CONFIG.chunk_tokens, "per_kv_head": SHIPPED_CONFIG.per_kv_head}
     out |= {"auto_coverage": AUTO.coverage}
@@ -86,7 +94,10 @@ def run(quick: bool = False) -> dict[str, Any]:
 Records = dict[tuple[str, str, str], list[dict[str, float]]]
 
 
-def evaluate(lm: Any, count: int, questions: Sequence[str], jobs: Sequence[Job], shipped: str) -> Records:
+def evaluate(
+    lm: Any, count: int, questions: Sequence[str], jobs: Sequence[Job], shipped: str, prefix: int = PREFIX,
+    sink: Path | None = None,
+) -> Records:  # fmt: skip
     """Records per (workload, label, budget tag): one dict of figures per item.
 
     Each window is one chat message (system turn, then the document) of PREFIX tokens:
@@ -94,18 +105,35 @@ def evaluate(lm: Any, count: int, questions: Sequence[str], jobs: Sequence[Job],
     close the message and ask in a new turn. One prefill serves both.
     """
     records: Records = {}
-    windows = token_windows(lm.tokenizer, PREFIX + CONTINUATION, count)
+    windows = token_windows(lm.tokenizer, prefix + CONTINUATION, count)
     head = lm.tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
     with masking(lm.model), torch.inference_mode():
         for number, (name, ids) in enumerate(windows):
             print(f"quality: window {number + 1}/{len(windows)} {name}", file=sys.stderr, flush=True)
-            prompt = head + ids[: PREFIX + CONTINUATION - len(head)]
-            pairs, state = prefix_state(lm, prompt[:PREFIX])
-            item = continuation_item(lm, pairs, prompt[PREFIX:])
-            _compare(lm, pairs, state, item, "cont", jobs, shipped, records)
+            prompt = head + ids[: prefix + CONTINUATION - len(head)]
+            pairs, state = prefix_state(lm, prompt[:prefix])
+            window: Records = {}
+            item = continuation_item(lm, pairs, prompt[prefix:])
+            _compare(lm, pairs, state, item, "cont", jobs, shipped, window)
             for question in questions:
                 item = question_item(lm, pairs, question)
-                _compare(lm, pairs, state, item, "qa", jobs, shipped, records)
+                _compare(lm, pairs, state, item, "qa", jobs, shipped, window)
+            for key, rows in window.items():
+                records.setdefault(key, []).extend(rows)
+            if sink is not None:
+                with sink.open("a") as fh:
+                    fh.write(
+                        json.dumps({"window": name, "records": [[*k, v] for k, v in window.items()]}) + "\n"
+                    )
+    return records
+
+
+def load_records(path: Path) -> Records:
+    """The records a run appended to `path` (see RECORDS_ENV)."""
+    records: Records = {}
+    for line in path.read_text().splitlines():
+        for workload, label, tag, rows in json.loads(line)["records"]:
+            records.setdefault((workload, label, tag), []).extend(rows)
     return records
 
 
@@ -131,7 +159,9 @@ def forward(
     from engine_adapter.cache import cache_from
 
     start, rows = int(pairs[0][0].shape[2]), len(plans)
-    cache = cache_from(lm.model.config, [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in pairs])
+    cache = cache_from(
+        lm.model.config, [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in pairs]
+    )
     position_ids = torch.arange(start, start + len(new_ids)).unsqueeze(0).expand(rows, -1)
     input_ids = torch.tensor([list(new_ids)]).expand(rows, -1)
     with plans_active(plans):
@@ -154,27 +184,34 @@ def question_item(lm: Any, pairs: list[Any], question: str) -> Item:
     asked = lm.tokenizer.encode(turn)
     start = int(pairs[0][0].shape[2])
     cache = cache_from(lm.model.config, pairs)
-    logits = lm.model(input_ids=torch.tensor([asked]), past_key_values=cache, use_cache=True,
-                      position_ids=torch.arange(start, start + len(asked)).unsqueeze(0)).logits[0, -1]  # fmt: skip
+    logits = _last_logits(lm, asked, start, cache)
     answer: list[int] = []
     while len(answer) < ANSWER:
         answer.append(int(logits.argmax()))
         if answer[-1] in lm.eos_token_ids:
             break
-        position = torch.tensor([[start + len(asked) + len(answer) - 1]])
-        logits = lm.model(input_ids=torch.tensor([[answer[-1]]]), position_ids=position, past_key_values=cache,
-                          use_cache=True).logits[0, -1]  # fmt: skip
+        logits = _last_logits(lm, answer[-1:], start + len(asked) + len(answer) - 1, cache)
     new_ids = asked + answer[:-1]
     reference = forward(lm, pairs, new_ids, [None], len(answer))[0]
     return Item(new_ids, len(asked), len(answer), reference)
 
 
+def _last_logits(lm: Any, ids: list[int], start: int, cache: Any) -> torch.Tensor:
+    position_ids = torch.arange(start, start + len(ids)).unsqueeze(0)
+    out = lm.model(
+        input_ids=torch.tensor([ids]), position_ids=position_ids, past_key_values=cache, use_cache=True
+    )
+    return out.logits[0, -1]
+
+
 def _compare(
-    lm: Any, pairs: list[Any], state: PrefixState, item: Item, workload: str, jobs: Sequence[Job], shipped: str,
-    records: Records,
+    lm: Any, pairs: list[Any], state: PrefixState, item: Item, workload: str, jobs: Sequence[Job],
+    shipped: str, records: Records,
 ) -> None:  # fmt: skip
-    """Every job on one item, in batches; `auto` rows of non-query-aware methods after the shipped one's."""
-    later = [j for j in jobs if j.budget == "auto" and j.method != "oracle" and not j.method.startswith("qa_")]
+    """Every job on one item, in batches; `auto` rows of other methods after the shipped one's."""
+    later = [
+        j for j in jobs if j.budget == "auto" and j.method != "oracle" and not j.method.startswith("qa_")
+    ]
     later += [j for j in jobs if j.budget == "auto" and j.method == "oracle"]
     first = [j for j in jobs if j not in later]
     for batch in [first[i : i + BATCH] for i in range(0, len(first), BATCH)]:
@@ -196,7 +233,7 @@ def _run_batch(
     for job, plan, row in zip(jobs, plans, logits, strict=True):
         assert plan is not None
         figures = agreement(item.reference, row)
-        charged = job.method.startswith("qa_")
+        charged = job.method.startswith("qa_") and reads_summary(_budget_for(job, shipped_auto))
         figures["summary"] = summary_fraction(state, job.method[3:], job.config) if charged else 0.0
         figures["delivered"] = plan.delivered_tokens_fraction() + figures["summary"]
         records.setdefault((workload, job.label, budget_tag(job.budget)), []).append(figures)
@@ -251,3 +288,7 @@ def summarise(records: Records, methods: Sequence[str], budgets: Sequence[float 
             out[f"summary_bytes_fraction_{m[3:]}"] = mean("qa", m, tag, "summary")
     out["summary_bytes_fraction"] = out.get(f"summary_bytes_fraction_{SHIPPED}", 0.0)
     return out
+
+
+if __name__ == "__main__":  # summarise the windows a (possibly stopped) run appended to a file
+    print(json.dumps(summarise(load_records(Path(sys.argv[1])), METHODS, BUDGETS), indent=1))

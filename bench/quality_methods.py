@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench.quality_masking import Chooser
-from importance.selection import choose_chunks, edge_chunks, mix_static
+from importance.selection import choose_chunks, edge_chunks, mix_static, reads_summary
 from importance.summaries import (
     Budget,
     ChunkLayout,
@@ -110,7 +110,9 @@ def chooser(method: str, state: PrefixState, budget: Budget, config: QAConfig) -
     if method == "snapkv":
         return lambda layer, queries: _snapkv(state, layer, queries, k)
     if method == "oracle":
-        return lambda layer, queries: _query_aware(state, "exact", layer, queries, budget, config, charge=False)
+        return lambda layer, queries: _query_aware(
+            state, "exact", layer, queries, budget, config, charge=False
+        )
     if method.startswith("qa_"):
         kind = method[3:]
         return lambda layer, queries: _query_aware(state, kind, layer, queries, budget, config, charge=True)
@@ -122,6 +124,8 @@ def _query_aware(
 ) -> Array:
     summary = state.summaries(kind, config)[layer]
     layout = summary.layout
+    if not reads_summary(budget):
+        return np.ones((1, state.num_tokens), dtype=bool)
     kv_heads = state.keys[layer].shape[0]
     mass = chunk_mass(summary.chunk_logits(queries, state.scale), kv_heads, config.per_kv_head)
     if config.static_weight:

@@ -32,6 +32,11 @@ class ChunkChoice(NamedTuple):
     covered_mass: Array
 
 
+def reads_summary(budget: Budget) -> bool:
+    """Whether a load at `budget` reads the summary: not when it reads everything anyway."""
+    return not (isinstance(budget, FixedBudget) and budget.fraction >= 1.0)
+
+
 def edge_chunks(layout: ChunkLayout, sink_chunks: int, recent_chunks: int) -> Array:
     """Bool (chunks,): the chunks holding the first `sink_chunks` x chunk_tokens tokens and the last ones.
 

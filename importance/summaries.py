@@ -206,7 +206,7 @@ def summarize(kind: str, keys: Array, layout: ChunkLayout, group_tokens: int = 2
     `group_tokens` is the span sharing one per-channel scale/offset for `lowbitN` (a block).
     """
     stored = np.asarray(keys, dtype=np.float32)[:, layout.order]
-    heads, n, d = stored.shape
+    _, n, d = stored.shape
     full_bytes = 2 * n * d * ELEMENT_BYTES  # K and V of every token, per head
     starts = layout.starts
     if kind == "minmax":
@@ -215,7 +215,9 @@ def summarize(kind: str, keys: Array, layout: ChunkLayout, group_tokens: int = 2
         return KeySummary(kind, layout, fields, 2 * len(starts) * d * ELEMENT_BYTES / full_bytes)
     if kind == "mean":
         mean = np.add.reduceat(stored, starts, axis=1) / layout.sizes[None, :, None]
-        return KeySummary(kind, layout, {"mean_t": _transposed(mean)}, len(starts) * d * ELEMENT_BYTES / full_bytes)
+        return KeySummary(
+            kind, layout, {"mean_t": _transposed(mean)}, len(starts) * d * ELEMENT_BYTES / full_bytes
+        )
     if kind == "exact":
         return KeySummary(kind, layout, {"keys_t": _transposed(stored)}, n * d * ELEMENT_BYTES / full_bytes)
     if kind.startswith("lowbit") and kind[6:].isdigit() and 1 <= int(kind[6:]) <= 8:

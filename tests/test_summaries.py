@@ -101,7 +101,9 @@ def test_chunk_mass_rows_sum_to_one_per_layer_and_per_kv_head() -> None:
     per_head = chunk_mass(logits, KV_HEADS, per_kv_head=True)
     per_layer = chunk_mass(logits, KV_HEADS, per_kv_head=False)
     assert per_head.shape == (KV_HEADS, layout.num_chunks) and per_layer.shape == (1, layout.num_chunks)
-    assert np.allclose(per_head.sum(axis=1), 1.0) and np.allclose(per_layer.mean(axis=0), per_head.mean(axis=0))
+    assert np.allclose(per_head.sum(axis=1), 1.0) and np.allclose(
+        per_layer.mean(axis=0), per_head.mean(axis=0)
+    )
 
 
 @pytest.mark.parametrize("fraction", [0.07, 0.1, 0.25, 0.37, 0.5, 1.0])
@@ -121,7 +123,7 @@ def test_a_fixed_budget_is_never_exceeded(fraction: float, summary: float) -> No
 
 def test_a_budget_below_the_summary_is_refused() -> None:
     layout = ChunkLayout.natural(160, 16)
-    with pytest.raises(ValueError, match="budget 0.05 .*summary alone.*0.0625"):
+    with pytest.raises(ValueError, match=r"budget 0.05 .*summary alone.*0.0625"):
         choose_chunks(np.ones((1, 10)), layout, FixedBudget(0.05), summary_fraction=0.0625)
 
 
@@ -170,7 +172,7 @@ def test_static_mass_and_mixing() -> None:
     assert static.tolist() == [0.5, 0.0, 0.0, 0.5]
     mixed = mix_static(np.array([[0.0, 1.0, 0.0, 0.0]]), static, 0.5)
     assert np.allclose(mixed, [[0.25, 0.5, 0.0, 0.25]])
-    with pytest.raises(ValueError, match="static_weight .* 1.5"):
+    with pytest.raises(ValueError, match=r"static_weight .* 1.5"):
         mix_static(mixed, static, 1.5)
 
 
@@ -188,9 +190,9 @@ def test_budget_words() -> None:
     assert parse_budget("auto:0.8") == AutoBudget(coverage=0.8)
     with pytest.raises(ValueError, match="'most'"):
         parse_budget("most")
-    with pytest.raises(ValueError, match="coverage must be in .* got 1.2"):
+    with pytest.raises(ValueError, match=r"coverage must be in .* got 1.2"):
         parse_budget("auto:1.2")
-    with pytest.raises(ValueError, match="min_fraction 0.6 is above max_fraction 0.5"):
+    with pytest.raises(ValueError, match=r"min_fraction 0.6 is above max_fraction 0.5"):
         auto_budget(0.9, 0.6, 0.5)
     with pytest.raises(ValueError, match="unknown summary kind 'lowbit9'"):
         summarize("lowbit9", keys(32), ChunkLayout.natural(32, 16))

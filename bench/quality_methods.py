@@ -91,6 +91,20 @@ def summary_fraction(state: PrefixState, kind: str, config: QAConfig) -> float:
     return float(state.summaries(kind, config)[0].bytes_fraction)
 
 
+def summary_charge(method: str, state: PrefixState, budget: Budget, config: QAConfig) -> float:
+    """The fraction of the bytes `method` spends on its summary at `budget` (0: it reads none).
+
+    A `qa_*` method reads no summary at budget 1.0 (it reads everything) nor when the
+    summary alone would exceed a fixed budget: then it takes the static order instead.
+    """
+    if not method.startswith("qa_") or not reads_summary(budget):
+        return 0.0
+    fraction = summary_fraction(state, method[3:], config)
+    if isinstance(budget, FixedBudget) and fraction >= budget.fraction:
+        return 0.0
+    return fraction
+
+
 def chooser(method: str, state: PrefixState, budget: Budget, config: QAConfig) -> Chooser:
     """The chooser of `method` at `budget` (`config` shapes `qa_*` and `oracle`)."""
     n = state.num_tokens
@@ -113,6 +127,8 @@ def chooser(method: str, state: PrefixState, budget: Budget, config: QAConfig) -
         return lambda layer, queries: _query_aware(
             state, "exact", layer, queries, budget, config, charge=False
         )
+    if method.startswith("qa_") and not summary_charge(method, state, budget, config):
+        return chooser("static" if reads_summary(budget) else "sink_recent", state, budget, config)
     if method.startswith("qa_"):
         kind = method[3:]
         return lambda layer, queries: _query_aware(state, kind, layer, queries, budget, config, charge=True)

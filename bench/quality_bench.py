@@ -290,5 +290,15 @@ def summarise(records: Records, methods: Sequence[str], budgets: Sequence[float 
     return out
 
 
+def summarise_file(path: Path) -> dict[str, Any]:
+    """The published figures of the windows a full-size run appended to `path` (see RECORDS_ENV)."""
+    records = load_records(path)
+    windows = len(path.read_text().splitlines())
+    out = summarise(records, METHODS, BUDGETS)
+    out |= {"windows": windows, "prefix_tokens": PREFIX, "shipped_summary": SHIPPED}
+    out["questions_per_window"] = len(records[("qa", METHODS[0], "0_25")]) // max(windows, 1)
+    return out
+
+
 if __name__ == "__main__":  # summarise the windows a (possibly stopped) run appended to a file
-    print(json.dumps(summarise(load_records(Path(sys.argv[1])), METHODS, BUDGETS), indent=1))
+    print(json.dumps(summarise_file(Path(sys.argv[1])), indent=1))

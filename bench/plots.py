@@ -65,3 +65,28 @@ def plot_readamp(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_quality(result: dict[str, Any], path: Path) -> None:
+    """Quality against bytes read (summaries included), one line per selection method."""
+    plt = _pyplot()
+    methods = [k.removeprefix("answer_top1_").removesuffix("_0_25") for k in result
+               if k.startswith("answer_top1_") and k.endswith("_0_25")]  # fmt: skip
+    panels = (("top1", "continuation top-1"), ("answer_top1", "answer top-1"), ("answer_kl", "answer KL"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+    for ax, (metric, title) in zip(axes, panels, strict=True):
+        for method in methods:
+            prefix = "cont_delivered_fraction" if metric == "top1" else "delivered_fraction"
+            xs = [result[f"{prefix}_{method}_{t}"] for t in ("0_1", "0_25", "0_5")]
+            ys = [result[f"{metric}_{method}_{t}"] for t in ("0_1", "0_25", "0_5")]
+            (line,) = ax.plot(xs, ys, marker="o", label=method)
+            ax.plot([result[f"{prefix}_{method}_auto"]], [result[f"{metric}_{method}_auto"]], marker="*",
+                    markersize=11, color=line.get_color(), linestyle="none")  # fmt: skip
+        ax.set_xlabel("fraction of the prefix's KV bytes read (summaries included)")
+        ax.set_title(f"{title} vs the full prefix (star: auto)")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Partial prefix loads, {result.get('model', '')}, {result.get('windows', '?')} windows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

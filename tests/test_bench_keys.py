@@ -23,6 +23,22 @@ PUBLISHED = {
     "leaked_segments",
     "remote": "remote_load_mb_s redis_get_mb_s remote_vs_get store_ms_write_behind store_ms_sync "
     "ttft_speedup_remote_vs_recompute",
+    "quality": " ".join(
+        f"{figure}_{method}_{tag}"
+        for figure in (
+            "delivered_fraction",
+            "top1",
+            "kl",
+            "answer_top1",
+            "answer_kl",
+            "first_token",
+            "exact_match",
+        )
+        for method in ("static", "sink_recent", "snapkv", "qa_minmax", "qa_mean", "qa_lowbit2", "oracle")
+        for tag in ("0_1", "0_25", "0_5", "auto")
+    )
+    + " summary_bytes_fraction summary_bytes_fraction_minmax summary_bytes_fraction_mean "
+    "summary_bytes_fraction_lowbit2",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache",
 }
@@ -46,6 +62,7 @@ PEER_KEYS = {
         "chaos",
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
+        pytest.param("quality", marks=pytest.mark.model),
         "radix",
         pytest.param("remote", marks=pytest.mark.model),
     ],

@@ -1,0 +1,60 @@
+"""Variants of query-aware selection, compared at one budget (the exploration behind docs/importance.md).
+
+    PYTHONPATH=$PWD OPENBLAS_NUM_THREADS=1 python -m bench.quality_variants --windows 4 --budget 0.25
+
+Prints one line per (workload, variant:method) with the mean figures. Not a published
+benchmark: `kvsieve bench quality` measures the shipped choice against the baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import numpy as np
+
+from bench.quality_bench import QUESTIONS, Job, evaluate
+from bench.quality_methods import QAConfig
+
+BASE = QAConfig()
+VARIANTS = {
+    "L16e11": replace(BASE, per_kv_head=False),
+    "L16e12m3": replace(BASE, per_kv_head=False, recent_chunks=2, static_weight=0.3),
+    "H8e22m3": replace(BASE, chunk_tokens=8, sink_chunks=2, recent_chunks=2, static_weight=0.3),
+    "L8e22m3": replace(
+        BASE, per_kv_head=False, chunk_tokens=8, sink_chunks=2, recent_chunks=2, static_weight=0.3
+    ),
+    "base": BASE,
+    "layer": replace(BASE, per_kv_head=False),
+    "noedge": replace(BASE, sink_chunks=0, recent_chunks=0),
+    "c8": replace(BASE, chunk_tokens=8),
+    "mix3": replace(BASE, static_weight=0.3),
+    "implayout": replace(BASE, layout="importance"),
+}
+
+
+def main() -> None:
+    """Run the variants and print their figures."""
+    from engine_adapter.model import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--first", type=int, default=0, help="skip this many windows")
+    parser.add_argument("--baselines", default="static,sink_recent,snapkv")
+    parser.add_argument("--questions", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--methods", default="qa_lowbit2,qa_minmax,qa_mean,oracle")
+    args = parser.parse_args()
+    jobs = [Job(m, m, args.budget, BASE) for m in args.baselines.split(",") if m]
+    for name in args.variants.split(","):
+        jobs += [Job(f"{name}:{m}", m, args.budget, VARIANTS[name]) for m in args.methods.split(",")]
+    lm = load_model(quiet=True)
+    records = evaluate(lm, args.windows, QUESTIONS[: args.questions], jobs, "", first=args.first)
+    for (workload, label, _), rows in sorted(records.items()):
+        means = {f: round(float(np.mean([r[f] for r in rows])), 3) for f in rows[0]}
+        print(workload, label, means, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from importance.history import accumulate, decay_factor
+from kvstore.alloc import keep_large_buffers
 from kvstore.api import Lease, LoadStream, StoreInfo, Tokens
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
@@ -73,6 +74,7 @@ class TieredStore:
         self, config: StoreConfig | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.config = config or StoreConfig()
+        keep_large_buffers()  # chunk buffers are reused, not faulted in afresh per load
         self.counters = Counters()
         self._lock = None
         if self.config.data_dir is not None:

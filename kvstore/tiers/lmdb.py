@@ -177,7 +177,8 @@ class LmdbTier:
         """Have the kernel read these blocks' chunks in the background (posix_fadvise), so a
         load's disk reads overlap the verification and copies of the chunks before them.
         A hint only: errors are left to the reads that follow."""
-        with contextlib.suppress(lmdb.Error, OSError), self._env.begin(db=self._chunks_db, buffers=True) as txn:
+        hint_errors = contextlib.suppress(lmdb.Error, OSError)
+        with hint_errors, self._env.begin(db=self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
             for meta, indices in requests:  # a block's chunks lie in index order after its first
                 if indices and cursor.set_key(chunk_key(meta.key, meta.layout_version, min(indices))):

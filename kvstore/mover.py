@@ -271,4 +271,4 @@ class _Prefetch:
             return
         rest = list(zip(plan.blocks[block_index:], plan.chunks[block_index:], strict=True))
         for tier in self._tiers:
-            tier.prefetch(rest)  # type: ignore[attr-defined]
+            tier.prefetch(rest)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -77,6 +77,8 @@ class KVClient:
         self._slice_bytes = max(1 << 20, max_message_bytes - (1 << 20))
         self._shm = shm.available() and (is_loopback(target) if use_shm == "auto" else bool(use_shm))
         self._arenas = ArenaPool(self._create_arena)
+        # Whether the server reads packed tokens (learned from its first reply; see the proto).
+        self._packed_tokens = False
 
     @property
     def info(self) -> StoreInfo:
@@ -84,8 +86,10 @@ class KVClient:
         return StoreInfo(None, None)
 
     def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
-        request = pb.LookupRequest(ctx=_ctx(model, namespace), tokens=_tokens(tokens))
+        request = pb.LookupRequest(ctx=_ctx(model, namespace))
+        self._set_tokens(request, _tokens(tokens))
         reply = self._call(self._stub.Lookup, request)
+        self._packed_tokens |= reply.packed_tokens
         return LookupResult(reply.num_tokens, reply.num_blocks, reply.memory_blocks)
 
     def store(
@@ -130,8 +134,9 @@ class KVClient:
     ) -> RemoteLoadStream:
         toks = _tokens(tokens)
         request = pb.LoadRequest(
-            ctx=_ctx(model, namespace), tokens=toks, budget=budget, budget_tokens=budget_tokens or 0
+            ctx=_ctx(model, namespace), budget=budget, budget_tokens=budget_tokens or 0, packed_positions=True
         )
+        self._set_tokens(request, toks)
         self._release_orphans()
         arena = None
         if self._shm and len(toks):
@@ -140,7 +145,7 @@ class KVClient:
             request.arena_id = arena.arena_id
         try:
             responses = self._stub.Load(request, timeout=self._timeout, metadata=self._metadata)
-            return RemoteLoadStream(responses, model, arena, self._arenas)
+            return RemoteLoadStream(responses, model, arena, self._arenas, self._learn_packed)
         except BaseException:
             if arena is not None:
                 self._arenas.discard(arena)
@@ -200,6 +205,15 @@ class KVClient:
             return None
         return ClientArena(reply.arena_id, namespace, buf)
 
+    def _set_tokens(self, request: Any, toks: Array) -> None:
+        """Tokens packed (one bytes field); repeated too until the server said it reads them."""
+        request.tokens_u32le = toks.astype("<u4", copy=False).tobytes()
+        if not self._packed_tokens:  # an older server reads only the repeated field
+            request.tokens.extend(toks.tolist())
+
+    def _learn_packed(self) -> None:
+        self._packed_tokens = True
+
     def _release_orphans(self) -> None:
         for arena_id, namespace in self._arenas.take_orphans():
             self._release_segment(arena_id, namespace)
@@ -229,8 +243,12 @@ class RemoteLoadStream:
     arena back for reuse, so chunk views must not be used after it.
     """
 
-    def __init__(self, responses: Any, model: ModelSpec, arena: ClientArena | None, pool: ArenaPool) -> None:
+    def __init__(
+        self, responses: Any, model: ModelSpec, arena: ClientArena | None, pool: ArenaPool,
+        on_packed_tokens: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         self._responses = responses
+        self._on_packed_tokens = on_packed_tokens
         self._model = model
         self._arena = arena
         self._pool = pool
@@ -311,6 +329,8 @@ class RemoteLoadStream:
     def _header(self, header: pb.LoadHeader) -> None:
         self.matched_tokens = self.num_tokens = header.matched_tokens
         self.selected_tokens = header.selected_tokens
+        if header.packed_tokens:
+            self._on_packed_tokens()
         if self._arena is not None:
             if header.shm:
                 self._dense = shm.dense_view(self._arena.buf, self._model)  # read-only mapping
@@ -324,7 +344,7 @@ class RemoteLoadStream:
         self.delivered_tokens = trailer.delivered_tokens
 
     def _chunk(self, chunk: pb.Chunk) -> LoadedChunk:
-        n = len(chunk.positions)
+        n = len(chunk.positions_u32le) // 4 or len(chunk.positions)
         shape = self._model.kv_shape(n)
         if chunk.HasField("shm") and self._dense is not None:
             kv = self._dense[:, :, :, chunk.shm.slot : chunk.shm.slot + chunk.shm.num_tokens]
@@ -333,7 +353,10 @@ class RemoteLoadStream:
         else:
             kv = np.frombuffer(chunk.data, self._model.np_dtype).reshape(shape)
             nbytes = len(chunk.data)
-        positions = np.fromiter(chunk.positions, np.int64, count=n)
+        if chunk.positions_u32le:
+            positions = np.frombuffer(chunk.positions_u32le, "<u4").astype(np.int64)
+        else:
+            positions = np.fromiter(chunk.positions, np.int64, count=n)
         return LoadedChunk(chunk.block_index, chunk.chunk_index, positions, kv, chunk.tier, nbytes)
 
     def _drop_arena(self) -> None:

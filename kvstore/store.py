@@ -118,7 +118,7 @@ class TieredStore:
     def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
         match = self._match(self._root(model, namespace), as_token_array(tokens))
         self.counters.add_many({"lookups": 1, "lookup_hits": int(match.num_tokens > 0)})
-        in_memory = sum(1 for n in match.nodes if self.memory.contains(n.key))
+        in_memory = self.memory.count_present(n.key for n in match.nodes)
         return LookupResult(match.num_tokens, len(match.nodes), in_memory)
 
     def store(

@@ -19,8 +19,11 @@ from kvstore.wire import kv_from_bytes
 class ChunkWriter:
     """Turns loaded chunks into messages in a worker thread, into shm when there is room."""
 
-    def __init__(self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec) -> None:
+    def __init__(
+        self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec, *, packed_positions: bool = False
+    ) -> None:
         self._chunks: Iterator[LoadedChunk] = iter(stream)
+        self._packed = packed_positions  # the client reads positions_u32le
         self._dense = None if arena is None else dense_view(arena.buf, model)
         self._slot = 0
 
@@ -42,7 +45,10 @@ class ChunkWriter:
             chunk.chunk_index,
             chunk.tier,
         )
-        message.positions.extend(chunk.positions.tolist())
+        if self._packed:
+            message.positions_u32le = chunk.positions.astype("<u4").tobytes()
+        else:
+            message.positions.extend(chunk.positions.tolist())
         n = len(chunk.positions)
         if self._dense is not None and self._slot + n <= self._dense.shape[3]:
             self._dense[:, :, :, self._slot : self._slot + n] = chunk.kv

@@ -7,7 +7,6 @@ new client sends) and through `KVClient`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np

@@ -20,8 +20,9 @@ class ChunkWriter:
     """Turns loaded chunks into messages in a worker thread, into shm when there is room."""
 
     def __init__(
-        self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec, *, packed_positions: bool = False
-    ) -> None:
+        self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec, *,
+        packed_positions: bool = False,
+    ) -> None:  # fmt: skip
         self._chunks: Iterator[LoadedChunk] = iter(stream)
         self._packed = packed_positions  # the client reads positions_u32le
         self._dense = None if arena is None else dense_view(arena.buf, model)

@@ -143,6 +143,7 @@ class KVClient:
             arena = self._arenas.take(namespace, len(toks) * model.token_bytes)
         if arena is not None:
             request.arena_id = arena.arena_id
+            request.shm_by_position = True
         try:
             responses = self._stub.Load(request, timeout=self._timeout, metadata=self._metadata)
             return RemoteLoadStream(responses, model, arena, self._arenas, self._learn_packed)
@@ -259,6 +260,8 @@ class RemoteLoadStream:
         self._pending: collections.deque[LoadedChunk] = collections.deque()
         self._dense: Array | None = None
         self._dense_slots = 0  # tokens delivered through the arena, in slot order from 0
+        self._by_position = False  # the server put each token at the slot of its position
+        self._gathering = False  # gather reads the arena itself: chunks need no KV of their own
         self.matched_tokens = self.num_tokens = self.selected_tokens = 0
         self.delivered_tokens = self.bytes_read = 0
         self.read_amplification = 1.0
@@ -296,8 +299,14 @@ class RemoteLoadStream:
         Through shared memory the KV is a read-only view of the arena, copied by
         nobody (valid until `close`); otherwise the chunks are concatenated.
         """
-        chunks = list(self)
+        self._gathering = True
+        try:
+            chunks = list(self)
+        finally:
+            self._gathering = False
         slots = sum(len(c.positions) for c in chunks)
+        if self._dense is not None and chunks and self._dense_slots == slots and self._by_position:
+            return _by_position(self._dense, np.concatenate([c.positions for c in chunks]))
         if self._dense is not None and chunks and self._dense_slots == slots:
             positions = np.concatenate([c.positions for c in chunks])
             return positions, self._dense[:, :, :, :slots]
@@ -331,6 +340,7 @@ class RemoteLoadStream:
         self.selected_tokens = header.selected_tokens
         if header.packed_tokens:
             self._on_packed_tokens()
+        self._by_position = header.shm_by_position
         if self._arena is not None:
             if header.shm:
                 self._dense = shm.dense_view(self._arena.buf, self._model)  # read-only mapping
@@ -346,18 +356,28 @@ class RemoteLoadStream:
     def _chunk(self, chunk: pb.Chunk) -> LoadedChunk:
         n = len(chunk.positions_u32le) // 4 or len(chunk.positions)
         shape = self._model.kv_shape(n)
-        if chunk.HasField("shm") and self._dense is not None:
-            kv = self._dense[:, :, :, chunk.shm.slot : chunk.shm.slot + chunk.shm.num_tokens]
-            self._dense_slots += chunk.shm.num_tokens
-            nbytes = kv.nbytes
-        else:
-            kv = np.frombuffer(chunk.data, self._model.np_dtype).reshape(shape)
-            nbytes = len(chunk.data)
         if chunk.positions_u32le:
             positions = np.frombuffer(chunk.positions_u32le, "<u4").astype(np.int64)
         else:
             positions = np.fromiter(chunk.positions, np.int64, count=n)
+        if chunk.HasField("shm") and self._dense is not None:
+            kv = self._shm_kv(chunk.shm.slot, positions)
+            self._dense_slots += chunk.shm.num_tokens
+            nbytes = n * self._model.token_bytes
+        else:
+            kv = np.frombuffer(chunk.data, self._model.np_dtype).reshape(shape)
+            nbytes = len(chunk.data)
         return LoadedChunk(chunk.block_index, chunk.chunk_index, positions, kv, chunk.tier, nbytes)
+
+    def _shm_kv(self, slot: int, positions: Array) -> Array:
+        """A chunk's KV in the arena: a view of its slots, or (by position, out of order) a copy."""
+        assert self._dense is not None
+        n = len(positions)
+        if not self._by_position or (n and positions[-1] - positions[0] == n - 1 and _increasing(positions)):
+            return self._dense[:, :, :, slot : slot + n]
+        if self._gathering:  # gather takes the tokens from the arena in one pass
+            return self._dense[:, :, :, slot:slot]
+        return self._dense[:, :, :, positions]
 
     def _drop_arena(self) -> None:
         if self._arena is not None:
@@ -366,6 +386,19 @@ class RemoteLoadStream:
             self._pool.discard(self._arena)  # unmaps once the caller drops its views
             self._arena = None
             self._dense = None
+
+
+def _increasing(positions: Array) -> bool:
+    return bool(np.all(positions[1:] > positions[:-1]))
+
+
+def _by_position(dense: Array, positions: Array) -> tuple[Array, Array]:
+    """(sorted positions, their KV) from an arena written by position: a view of its first
+    slots when the positions are 0..n-1, else one gathering copy, in position order."""
+    positions = np.sort(positions)
+    if len(positions) and positions[-1] == len(positions) - 1 and _increasing(positions):
+        return positions, dense[:, :, :, : len(positions)]
+    return positions, np.take(dense, positions, axis=3)
 
 
 def _domain_error(exc: grpc.RpcError) -> KVSieveError:

@@ -83,3 +83,32 @@ def test_client_loads_the_same_kv_with_packed_positions(sidecar: Sidecar) -> Non
     order = np.argsort(positions)
     assert np.array_equal(positions[order], np.arange(96))
     assert np.array_equal(kv[:, :, :, order], make_kv(TINY, 96))
+
+
+def test_shm_arena_holds_the_prefix_in_position_order(sidecar: Sidecar) -> None:
+    tokens, kv = make_tokens(64, seed=3), make_kv(TINY, 64, seed=3)
+    scores = np.random.default_rng(3).random(64).astype(np.float32)  # chunks in importance order
+    with KVClient(sidecar.address, use_shm=True) as client:
+        client.store(tokens, kv, model=TINY, scores=scores)
+        with client.load(tokens, model=TINY) as stream:
+            chunks = list(stream)
+            assert any(not np.all(np.diff(c.positions) == 1) for c in chunks)  # stored out of order
+            for c in chunks:  # each chunk's KV is its tokens' KV, wherever they lie
+                assert np.array_equal(c.kv, kv[:, :, :, c.positions])
+        with client.load(tokens, model=TINY) as stream:
+            positions, loaded = stream.gather(TINY)
+            arena = stream.arena_view
+            assert arena is not None and np.shares_memory(loaded, arena)  # no reorder copy
+            assert np.array_equal(positions, np.arange(64))
+            assert np.array_equal(loaded, kv)
+
+
+def test_shm_load_under_a_budget_gathers_the_selected_tokens_in_order(sidecar: Sidecar) -> None:
+    tokens, kv = make_tokens(64, seed=4), make_kv(TINY, 64, seed=4)
+    scores = np.random.default_rng(4).random(64).astype(np.float32)
+    with KVClient(sidecar.address, use_shm=True) as client:
+        client.store(tokens, kv, model=TINY, scores=scores)
+        with client.load(tokens, model=TINY, budget=0.5) as stream:
+            positions, loaded = stream.gather(TINY)
+            assert 0 < len(positions) < 64 and np.all(np.diff(positions) > 0)
+            assert np.array_equal(loaded, kv[:, :, :, positions])

@@ -46,6 +46,8 @@ from kvstore.wire import ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
 _CHUNKS_PER_MESSAGE = 16
+# Through shared memory a chunk is a small descriptor: far fewer messages and thread hops.
+_SHM_CHUNKS_PER_MESSAGE = 256
 # Lookups up to this many tokens run on the event loop (cheaper than a thread hop).
 _INLINE_LOOKUP_TOKENS = 4096
 
@@ -138,11 +140,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         selected_tokens=stream.selected_tokens,
                         shm=arena is not None,
                         packed_tokens=True,
+                        shm_by_position=arena is not None and request.shm_by_position,
                     )
                 )
-                writer = ChunkWriter(stream, arena, model, packed_positions=request.packed_positions)
+                writer = ChunkWriter(
+                    stream, arena, model, packed_positions=request.packed_positions,
+                    by_position=request.shm_by_position,
+                )  # fmt: skip
                 limit = self._config.max_message_bytes // 2
-                while message := await asyncio.to_thread(writer.next_batch, _CHUNKS_PER_MESSAGE, limit):
+                batches = (_CHUNKS_PER_MESSAGE, limit, _SHM_CHUNKS_PER_MESSAGE)
+                while message := await asyncio.to_thread(writer.next_batch, *batches):
                     yield message
             finally:
                 if arena is not None:

@@ -135,7 +135,7 @@ class ReleaseSegmentResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id", "tokens_u32le", "packed_positions")
+    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id", "tokens_u32le", "packed_positions", "shm_by_position")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class LoadRequest(_message.Message):
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
     PACKED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: float
@@ -154,19 +155,22 @@ class LoadRequest(_message.Message):
     arena_id: str
     tokens_u32le: bytes
     packed_positions: bool
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ..., tokens_u32le: _Optional[bytes] = ..., packed_positions: _Optional[bool] = ...) -> None: ...
+    shm_by_position: bool
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ..., tokens_u32le: _Optional[bytes] = ..., packed_positions: _Optional[bool] = ..., shm_by_position: _Optional[bool] = ...) -> None: ...
 
 class LoadHeader(_message.Message):
-    __slots__ = ("matched_tokens", "selected_tokens", "shm", "packed_tokens")
+    __slots__ = ("matched_tokens", "selected_tokens", "shm", "packed_tokens", "shm_by_position")
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SELECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     selected_tokens: int
     shm: bool
     packed_tokens: bool
-    def __init__(self, matched_tokens: _Optional[int] = ..., selected_tokens: _Optional[int] = ..., shm: _Optional[bool] = ..., packed_tokens: _Optional[bool] = ...) -> None: ...
+    shm_by_position: bool
+    def __init__(self, matched_tokens: _Optional[int] = ..., selected_tokens: _Optional[int] = ..., shm: _Optional[bool] = ..., packed_tokens: _Optional[bool] = ..., shm_by_position: _Optional[bool] = ...) -> None: ...
 
 class ShmRef(_message.Message):
     __slots__ = ("slot", "num_tokens")

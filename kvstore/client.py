@@ -23,7 +23,7 @@ from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
-from kvstore.client_arenas import ArenaPool, ClientArena
+from kvstore.client_arenas import ArenaPool, ClientArena, gather_by_position, increasing
 from kvstore.errors import KVSieveError
 from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
 from kvstore.keys import as_token_array, validate_namespace
@@ -77,8 +77,7 @@ class KVClient:
         self._slice_bytes = max(1 << 20, max_message_bytes - (1 << 20))
         self._shm = shm.available() and (is_loopback(target) if use_shm == "auto" else bool(use_shm))
         self._arenas = ArenaPool(self._create_arena)
-        # Whether the server reads packed tokens (learned from its first reply; see the proto).
-        self._packed_tokens = False
+        self._packed_tokens = False  # the server reads packed tokens (said in a reply; see the proto)
 
     @property
     def info(self) -> StoreInfo:
@@ -299,14 +298,12 @@ class RemoteLoadStream:
         Through shared memory the KV is a read-only view of the arena, copied by
         nobody (valid until `close`); otherwise the chunks are concatenated.
         """
-        self._gathering = True
-        try:
-            chunks = list(self)
-        finally:
-            self._gathering = False
+        self._gathering = True  # an error ends the stream: no chunk is read with it left set
+        chunks = list(self)
+        self._gathering = False
         slots = sum(len(c.positions) for c in chunks)
         if self._dense is not None and chunks and self._dense_slots == slots and self._by_position:
-            return _by_position(self._dense, np.concatenate([c.positions for c in chunks]))
+            return gather_by_position(self._dense, np.concatenate([c.positions for c in chunks]))
         if self._dense is not None and chunks and self._dense_slots == slots:
             positions = np.concatenate([c.positions for c in chunks])
             return positions, self._dense[:, :, :, :slots]
@@ -373,7 +370,7 @@ class RemoteLoadStream:
         """A chunk's KV in the arena: a view of its slots, or (by position, out of order) a copy."""
         assert self._dense is not None
         n = len(positions)
-        if not self._by_position or (n and positions[-1] - positions[0] == n - 1 and _increasing(positions)):
+        if not self._by_position or (n and positions[-1] - positions[0] == n - 1 and increasing(positions)):
             return self._dense[:, :, :, slot : slot + n]
         if self._gathering:  # gather takes the tokens from the arena in one pass
             return self._dense[:, :, :, slot:slot]
@@ -386,19 +383,6 @@ class RemoteLoadStream:
             self._pool.discard(self._arena)  # unmaps once the caller drops its views
             self._arena = None
             self._dense = None
-
-
-def _increasing(positions: Array) -> bool:
-    return bool(np.all(positions[1:] > positions[:-1]))
-
-
-def _by_position(dense: Array, positions: Array) -> tuple[Array, Array]:
-    """(sorted positions, their KV) from an arena written by position: a view of its first
-    slots when the positions are 0..n-1, else one gathering copy, in position order."""
-    positions = np.sort(positions)
-    if len(positions) and positions[-1] == len(positions) - 1 and _increasing(positions):
-        return positions, dense[:, :, :, : len(positions)]
-    return positions, np.take(dense, positions, axis=3)
 
 
 def _domain_error(exc: grpc.RpcError) -> KVSieveError:

@@ -1,11 +1,11 @@
 """The engine: a real model that loads prefix KV from kvsieve instead of recomputing it.
 
-`generate` looks the prompt up in the store (an embedded `TieredStore` or a
-`KVClient`: same interface), loads the cached prefix (all of it, or its most
-important share under a budget), builds the cache from the loaded chunks at
-their true positions, computes only the new tokens, stores the new full blocks
-with their prefill scores, reports how the new tokens attended to the prefix,
-then decodes.
+`generate` loads the prompt's cached prefix from the store (an embedded
+`TieredStore` or a `KVClient`: same interface) in one call, whose header says
+how much matched (all of it, or its most important share under a budget),
+builds the cache from the loaded chunks at their true positions, computes only
+the new tokens, stores the new full blocks with their prefill scores, reports
+how the new tokens attended to the prefix, then decodes.
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: b
         "shm_mb_s": round(kv.nbytes / statistics.median(shm_s) / 1e6, 1),
         "lookup_p50_us": round(p50, 1),
         "lookup_p99_us": round(p99, 1),
+        "lookup_p50_ms": round(p50 / 1e3, 3),
+        "lookup_p99_ms": round(p99 / 1e3, 3),
         "lookup_clients": 8,
     }
 

@@ -1,16 +1,17 @@
 """The engine: a real model that loads prefix KV from kvsieve instead of recomputing it.
 
-`generate` looks the prompt up in the store (an embedded `TieredStore` or a
-`KVClient`: same interface), loads the cached prefix (all of it, or its most
-important share under a budget), builds the cache from the loaded chunks at
-their true positions, computes only the new tokens, stores the new full blocks
-with their prefill scores, reports how the new tokens attended to the prefix,
-then decodes.
+`generate` loads the prompt's cached prefix from the store (an embedded
+`TieredStore` or a `KVClient`: same interface) in one call, whose header says
+how much matched (all of it, or its most important share under a budget),
+builds the cache from the loaded chunks at their true positions, computes only
+the new tokens, stores the new full blocks with their prefill scores, reports
+how the new tokens attended to the prefix, then decodes.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,7 @@ class Engine:
     def prefill(self, ids: Sequence[int], budget: Budget = 1.0) -> Prefill:
         """Compute the prompt, reusing cached prefix KV; stores and reports as described above."""
         timings = Timings()
-        matched = self._lookup(ids, timings)
-        positions, cache, matched = self._load(ids, matched, budget, timings)
+        positions, cache, matched = self._load(ids, budget, timings)
         loaded = len(positions)
         stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
         t0 = time.perf_counter()
@@ -130,33 +130,28 @@ class Engine:
                 self._report(ids[:matched], stats)
         return state
 
-    def _lookup(self, ids: Sequence[int], timings: Timings) -> int:
-        if self.store is None or len(ids) < 2:
-            return 0
-        t0 = time.perf_counter()
-        # At least the last token is computed: its logits start the answer.
-        found = self.store.lookup(ids[:-1], model=self.lm.spec, namespace=self.namespace).num_tokens
-        timings.lookup_s = time.perf_counter() - t0
-        return int(found)
+    def _load(self, ids: Sequence[int], budget: Budget, timings: Timings) -> tuple[Any, Any, int]:
+        """(positions of the loaded tokens, the cache holding them, prefix length covered).
 
-    def _load(
-        self, ids: Sequence[int], matched: int, budget: Budget, timings: Timings
-    ) -> tuple[Any, Any, int]:
-        """(positions of the loaded tokens, the cache holding them, prefix length covered)."""
+        One Load call: its header answers what a Lookup would (the matched prefix),
+        so no separate round trip. At least the last token is computed: its logits
+        start the answer.
+        """
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.lm.model.config)
-        if not matched or self.store is None:
+        if self.store is None or len(ids) < 2:
             return np.zeros(0, np.int64), cache, 0
         t0 = time.perf_counter()
-        stream = self.store.load(ids[:matched], model=self.lm.spec, namespace=self.namespace, budget=budget)
+        stream = self.store.load(ids[:-1], model=self.lm.spec, namespace=self.namespace, budget=budget)
         self.last_load = stream  # its fractions stay readable after close (`generate -v`)
         with stream:
+            timings.lookup_s = time.perf_counter() - t0  # until the match was known
             positions, kv = stream.gather(self.lm.spec)
             covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
-            order = np.argsort(positions, kind="stable")
-            positions = positions[order]
-            tensor = torch.from_numpy(np.ascontiguousarray(kv[:, :, :, order])).to(torch.float32)
+            if not covered or not len(positions):
+                return np.zeros(0, np.int64), cache, 0
+            positions, tensor = cache_tensor(positions, kv)
         cache = cache_from(self.lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
         timings.load_s = time.perf_counter() - t0
         return positions, cache, covered
@@ -311,3 +306,21 @@ def _batch_result(answer: Completion, prompt_tokens: int, timings: Timings) -> G
     """A row of `generate_batch`: no prefix reuse, so every prompt token was computed."""
     reason = answer.reason or "length"
     return GenerateResult(answer.text, answer.tokens, prompt_tokens, 0, 0, prompt_tokens, 0, reason, timings)
+
+
+def cache_tensor(positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any]) -> tuple[Any, torch.Tensor]:
+    """Loaded KV (layers, 2, heads, n, dim) as float32 in position order: the one dtype
+    conversion, into a preallocated tensor; a reorder copy only if out of position order.
+
+    `kv` may be a read-only view of shared memory: it is only read here.
+    """
+    with warnings.catch_warnings():  # torch warns about read-only arrays; the source is never written
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(kv)
+    if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        order = np.argsort(positions, kind="stable")
+        positions = positions[order]
+        source = source.index_select(3, torch.from_numpy(order))
+    out = torch.empty(source.shape, dtype=torch.float32)
+    out.copy_(source)
+    return positions, out

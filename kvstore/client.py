@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -24,7 +24,7 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
 from kvstore.budget import Budget, budget_to_fields, resolve_budget
-from kvstore.client_arenas import ArenaPool, ClientArena
+from kvstore.client_arenas import ArenaPool, ClientArena, gather_by_position, increasing
 from kvstore.errors import KVSieveError
 from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
 from kvstore.keys import as_token_array, validate_namespace
@@ -78,6 +78,7 @@ class KVClient:
         self._slice_bytes = max(1 << 20, max_message_bytes - (1 << 20))
         self._shm = shm.available() and (is_loopback(target) if use_shm == "auto" else bool(use_shm))
         self._arenas = ArenaPool(self._create_arena)
+        self._packed_tokens = False  # the server reads packed tokens (said in a reply; see the proto)
 
     @property
     def info(self) -> StoreInfo:
@@ -85,8 +86,10 @@ class KVClient:
         return StoreInfo(None, None)
 
     def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
-        request = pb.LookupRequest(ctx=_ctx(model, namespace), tokens=_tokens(tokens))
+        request = pb.LookupRequest(ctx=_ctx(model, namespace))
+        self._set_tokens(request, _tokens(tokens))
         reply = self._call(self._stub.Lookup, request)
+        self._packed_tokens |= reply.packed_tokens
         return LookupResult(reply.num_tokens, reply.num_blocks, reply.memory_blocks)
 
     def store(
@@ -132,16 +135,18 @@ class KVClient:
     ) -> RemoteLoadStream:
         toks = _tokens(tokens)
         fields = budget_to_fields(resolve_budget(budget, budget_tokens, coverage))
-        request = pb.LoadRequest(ctx=_ctx(model, namespace), tokens=toks, **fields)
+        request = pb.LoadRequest(ctx=_ctx(model, namespace), packed_positions=True, **fields)
+        self._set_tokens(request, toks)
         self._release_orphans()
         arena = None
         if self._shm and len(toks):
             arena = self._arenas.take(namespace, len(toks) * model.token_bytes)
         if arena is not None:
             request.arena_id = arena.arena_id
+            request.shm_by_position = True
         try:
             responses = self._stub.Load(request, timeout=self._timeout, metadata=self._metadata)
-            return RemoteLoadStream(responses, model, arena, self._arenas)
+            return RemoteLoadStream(responses, model, arena, self._arenas, self._learn_packed)
         except BaseException:
             if arena is not None:
                 self._arenas.discard(arena)
@@ -201,6 +206,15 @@ class KVClient:
             return None
         return ClientArena(reply.arena_id, namespace, buf)
 
+    def _set_tokens(self, request: Any, toks: Array) -> None:
+        """Tokens packed (one bytes field); repeated too until the server said it reads them."""
+        request.tokens_u32le = toks.astype("<u4", copy=False).tobytes()
+        if not self._packed_tokens:  # an older server reads only the repeated field
+            request.tokens.extend(toks.tolist())
+
+    def _learn_packed(self) -> None:
+        self._packed_tokens = True
+
     def _release_orphans(self) -> None:
         for arena_id, namespace in self._arenas.take_orphans():
             self._release_segment(arena_id, namespace)
@@ -230,8 +244,12 @@ class RemoteLoadStream:
     arena back for reuse, so chunk views must not be used after it.
     """
 
-    def __init__(self, responses: Any, model: ModelSpec, arena: ClientArena | None, pool: ArenaPool) -> None:
+    def __init__(
+        self, responses: Any, model: ModelSpec, arena: ClientArena | None, pool: ArenaPool,
+        on_packed_tokens: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         self._responses = responses
+        self._on_packed_tokens = on_packed_tokens
         self._model = model
         self._arena = arena
         self._pool = pool
@@ -242,6 +260,8 @@ class RemoteLoadStream:
         self._pending: collections.deque[LoadedChunk] = collections.deque()
         self._dense: Array | None = None
         self._dense_slots = 0  # tokens delivered through the arena, in slot order from 0
+        self._by_position = False  # the server put each token at the slot of its position
+        self._gathering = False  # gather reads the arena itself: chunks need no KV of their own
         self.matched_tokens = self.num_tokens = self.selected_tokens = 0
         self.delivered_tokens = self.bytes_read = 0
         self.read_amplification = 1.0
@@ -281,8 +301,12 @@ class RemoteLoadStream:
         Through shared memory the KV is a read-only view of the arena, copied by
         nobody (valid until `close`); otherwise the chunks are concatenated.
         """
+        self._gathering = True  # an error ends the stream: no chunk is read with it left set
         chunks = list(self)
+        self._gathering = False
         slots = sum(len(c.positions) for c in chunks)
+        if self._dense is not None and chunks and self._dense_slots == slots and self._by_position:
+            return gather_by_position(self._dense, np.concatenate([c.positions for c in chunks]))
         if self._dense is not None and chunks and self._dense_slots == slots:
             positions = np.concatenate([c.positions for c in chunks])
             return positions, self._dense[:, :, :, :slots]
@@ -314,6 +338,9 @@ class RemoteLoadStream:
     def _header(self, header: pb.LoadHeader) -> None:
         self.matched_tokens = self.num_tokens = header.matched_tokens
         self.selected_tokens = header.selected_tokens
+        if header.packed_tokens:
+            self._on_packed_tokens()
+        self._by_position = header.shm_by_position
         if self._arena is not None:
             if header.shm:
                 self._dense = shm.dense_view(self._arena.buf, self._model)  # read-only mapping
@@ -330,17 +357,30 @@ class RemoteLoadStream:
         self.estimated_coverage = trailer.estimated_coverage
 
     def _chunk(self, chunk: pb.Chunk) -> LoadedChunk:
-        n = len(chunk.positions)
+        n = len(chunk.positions_u32le) // 4 or len(chunk.positions)
         shape = self._model.kv_shape(n)
+        if chunk.positions_u32le:
+            positions = np.frombuffer(chunk.positions_u32le, "<u4").astype(np.int64)
+        else:
+            positions = np.fromiter(chunk.positions, np.int64, count=n)
         if chunk.HasField("shm") and self._dense is not None:
-            kv = self._dense[:, :, :, chunk.shm.slot : chunk.shm.slot + chunk.shm.num_tokens]
+            kv = self._shm_kv(chunk.shm.slot, positions)
             self._dense_slots += chunk.shm.num_tokens
-            nbytes = kv.nbytes
+            nbytes = n * self._model.token_bytes
         else:
             kv = np.frombuffer(chunk.data, self._model.np_dtype).reshape(shape)
             nbytes = len(chunk.data)
-        positions = np.fromiter(chunk.positions, np.int64, count=n)
         return LoadedChunk(chunk.block_index, chunk.chunk_index, positions, kv, chunk.tier, nbytes)
+
+    def _shm_kv(self, slot: int, positions: Array) -> Array:
+        """A chunk's KV in the arena: a view of its slots, or (by position, out of order) a copy."""
+        assert self._dense is not None
+        n = len(positions)
+        if not self._by_position or (n and positions[-1] - positions[0] == n - 1 and increasing(positions)):
+            return self._dense[:, :, :, slot : slot + n]
+        if self._gathering:  # gather takes the tokens from the arena in one pass
+            return self._dense[:, :, :, slot:slot]
+        return self._dense[:, :, :, positions]
 
     def _drop_arena(self) -> None:
         if self._arena is not None:

@@ -12,6 +12,11 @@ import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Array = np.ndarray[Any, Any]
 
 
 @dataclass
@@ -97,3 +102,17 @@ class ArenaPool:
         for arena in free:
             arena.unmap()
         return free
+
+
+def increasing(positions: Array) -> bool:
+    """Whether positions strictly increase."""
+    return bool(np.all(positions[1:] > positions[:-1]))
+
+
+def gather_by_position(dense: Array, positions: Array) -> tuple[Array, Array]:
+    """(sorted positions, their KV) from an arena written by position: a view of its first
+    slots when the positions are 0..n-1, else one gathering copy, in position order."""
+    positions = np.sort(positions)
+    if len(positions) and positions[-1] == len(positions) - 1 and increasing(positions):
+        return positions, dense[:, :, :, : len(positions)]
+    return positions, np.take(dense, positions, axis=3)

@@ -107,9 +107,10 @@ class BlockMover:
     def read_blocks(self, plan: LoadPlan) -> Iterator[list[LoadedChunk] | None]:
         """Each planned block's chunks, verified whole before it is yielded. A block lost from
         every tier or corrupt yields None, is forgotten by the index, and ends the iteration."""
+        prefetch = _Prefetch(self.local_durable, plan)
         for block_index, (meta, indices) in enumerate(zip(plan.blocks, plan.chunks, strict=True)):
             try:
-                chunks = self._read_block(meta, block_index, indices)
+                chunks = self._read_block(meta, block_index, indices, prefetch)
                 failure = "chunk_misses" if chunks is None else ""
             except ChecksumError:
                 chunks, failure = None, "checksum_failures"
@@ -120,13 +121,17 @@ class BlockMover:
                 return
             yield chunks
 
-    def _read_block(self, meta: BlockMeta, block_index: int, indices: list[int]) -> list[LoadedChunk] | None:
+    def _read_block(
+        self, meta: BlockMeta, block_index: int, indices: list[int], prefetch: _Prefetch
+    ) -> list[LoadedChunk] | None:
         found: dict[int, LoadedChunk] = {}
         tally: Counter[str] = Counter()
         for index, data in zip(indices, self.memory.get_chunks(meta, indices), strict=True):
             if data is not None:
                 found[index] = self._decode(meta, block_index, index, data, self.memory.name, tally)
         self._index.touch_memory(meta, found)
+        if len(found) < len(indices):
+            prefetch.start(block_index)
         for tier in self.durable:
             missing = [i for i in indices if i not in found]
             if not missing:
@@ -249,3 +254,21 @@ class BlockMover:
                 tier.put_blocks(blocks)
             except TierFullError as exc:
                 raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc
+
+
+class _Prefetch:
+    """Readahead for one load: at its first chunk that memory lacks, ask the disk tiers to
+    read every remaining planned block in the background (see LmdbTier.prefetch)."""
+
+    def __init__(self, tiers: Sequence[Tier], plan: LoadPlan) -> None:
+        self._tiers = [t for t in tiers if hasattr(t, "prefetch")]
+        self._plan: LoadPlan | None = plan
+
+    def start(self, block_index: int) -> None:
+        """Hint once, from `block_index` on; later calls do nothing."""
+        plan, self._plan = self._plan, None
+        if plan is None or len(plan.blocks) - block_index < 2:  # one block: nothing to overlap
+            return
+        rest = list(zip(plan.blocks[block_index:], plan.chunks[block_index:], strict=True))
+        for tier in self._tiers:
+            tier.prefetch(rest)

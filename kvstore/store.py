@@ -21,6 +21,7 @@ import numpy as np
 
 from importance.history import accumulate, decay_factor
 from importance.layout import DEFAULT_MIN_CHANGE, layout_change
+from kvstore.alloc import keep_large_buffers
 from kvstore.api import Lease, LoadStream, StoreInfo, Tokens
 from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
@@ -74,6 +75,7 @@ class TieredStore:
         self, config: StoreConfig | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.config = config or StoreConfig()
+        keep_large_buffers()  # chunk buffers are reused, not faulted in afresh per load
         self.counters = Counters()
         self._lock = None
         if self.config.data_dir is not None:
@@ -117,7 +119,7 @@ class TieredStore:
     def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
         match = self._match(self._root(model, namespace), as_token_array(tokens))
         self.counters.add_many({"lookups": 1, "lookup_hits": int(match.num_tokens > 0)})
-        in_memory = sum(1 for n in match.nodes if self.memory.contains(n.key))
+        in_memory = self.memory.count_present(n.key for n in match.nodes)
         return LookupResult(match.num_tokens, len(match.nodes), in_memory)
 
     def store(

@@ -7,6 +7,7 @@ kvstore/server/status.py (re-exported here for older callers).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,16 @@ def model_to_pb(model: ModelSpec) -> pb.ModelSpec:
 
 
 def model_from_pb(msg: pb.ModelSpec) -> ModelSpec:
-    """Message -> ModelSpec; InvalidInputError names a bad field."""
+    """Message -> ModelSpec; InvalidInputError names a bad field.
+
+    Specs are cached by their bytes: a client names the same model in every call,
+    and a cached spec keeps its computed fingerprint."""
+    return _model_from_bytes(msg.SerializeToString(deterministic=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _model_from_bytes(data: bytes) -> ModelSpec:
+    msg = pb.ModelSpec.FromString(data)
     if not msg.name:
         raise InvalidInputError("ctx.model is required (model.name is empty)")
     return ModelSpec(

@@ -19,19 +19,31 @@ from kvstore.wire import kv_from_bytes
 class ChunkWriter:
     """Turns loaded chunks into messages in a worker thread, into shm when there is room."""
 
-    def __init__(self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec) -> None:
+    def __init__(
+        self, stream: LoadStream, arena: ServerArena | None, model: ModelSpec, *,
+        packed_positions: bool = False, by_position: bool = False,
+    ) -> None:  # fmt: skip
         self._chunks: Iterator[LoadedChunk] = iter(stream)
+        self._packed = packed_positions  # the client reads positions_u32le
         self._dense = None if arena is None else dense_view(arena.buf, model)
         self._slot = 0
+        # Slot = position: the client gets the prefix in position order, no reorder copy.
+        self.by_position = by_position and self._dense is not None
 
-    def next_batch(self, max_chunks: int, max_bytes: int) -> pb.LoadResponse | None:
-        """One message with up to `max_chunks` chunks and about `max_bytes` inline bytes."""
+    def next_batch(self, max_chunks: int, max_bytes: int, max_shm_chunks: int = 0) -> pb.LoadResponse | None:
+        """One message with up to `max_chunks` inline chunks and about `max_bytes` inline bytes,
+        or up to `max_shm_chunks` (default `max_chunks`) chunks in all when they went to shm."""
         response = pb.LoadResponse()
         batch = response.batch
-        inline = 0
+        inline = inline_chunks = 0
         for chunk in self._chunks:
-            inline += self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
-            if len(batch.chunks) == max_chunks or inline >= max_bytes:
+            placed = self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
+            inline, inline_chunks = inline + placed, inline_chunks + bool(placed)
+            if (
+                inline_chunks == max_chunks
+                or inline >= max_bytes
+                or len(batch.chunks) == max(max_chunks, max_shm_chunks)
+            ):
                 break
         return response if len(batch.chunks) else None
 
@@ -42,8 +54,13 @@ class ChunkWriter:
             chunk.chunk_index,
             chunk.tier,
         )
-        message.positions.extend(chunk.positions.tolist())
+        if self._packed:
+            message.positions_u32le = chunk.positions.astype("<u4").tobytes()
+        else:
+            message.positions.extend(chunk.positions.tolist())
         n = len(chunk.positions)
+        if self.by_position:
+            return self._place_by_position(message, chunk)
         if self._dense is not None and self._slot + n <= self._dense.shape[3]:
             self._dense[:, :, :, self._slot : self._slot + n] = chunk.kv
             message.shm.slot, message.shm.num_tokens = self._slot, n
@@ -51,6 +68,21 @@ class ChunkWriter:
             return 0
         message.data = np.ascontiguousarray(chunk.kv).tobytes()
         return int(chunk.kv.nbytes)
+
+    def _place_by_position(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
+        """Write the chunk's tokens at the slots of their positions (inline if beyond the arena)."""
+        assert self._dense is not None
+        positions = chunk.positions
+        lo, hi = int(positions.min()), int(positions.max())
+        if hi >= self._dense.shape[3]:
+            message.data = np.ascontiguousarray(chunk.kv).tobytes()
+            return int(chunk.kv.nbytes)
+        if hi - lo + 1 == len(positions) and bool(np.all(positions[1:] > positions[:-1])):
+            self._dense[:, :, :, lo : hi + 1] = chunk.kv  # a run of positions: a slice
+        else:
+            self._dense[:, :, :, positions] = chunk.kv
+        message.shm.slot, message.shm.num_tokens = lo, len(positions)
+        return 0
 
 
 def place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, kv_start: int, model: Any) -> int:

@@ -70,6 +70,24 @@ def tokens_array(tokens: Any, limit: int, field_name: str) -> np.ndarray[Any, An
     return out
 
 
+def token_count(request: Any) -> int:
+    """How many tokens a Lookup or Load request carries (packed or repeated)."""
+    packed = len(request.tokens_u32le)
+    return packed // 4 if packed else len(request.tokens)
+
+
+def request_tokens(request: Any, limit: int, field_name: str) -> np.ndarray[Any, Any]:
+    """A Lookup or Load request's tokens: the packed `tokens_u32le` when set (no per-token
+    conversion), else the repeated `tokens`; more than `limit` is refused before converting."""
+    packed = request.tokens_u32le
+    if not packed:
+        return tokens_array(request.tokens, limit, field_name)
+    if len(packed) % 4:
+        raise InvalidInputError(f"tokens_u32le: {len(packed)} bytes is not a whole number of u32 tokens")
+    check_token_count(len(packed) // 4, limit, field_name)
+    return np.frombuffer(packed, "<u4").astype(np.uint32, copy=False)
+
+
 class _Pinned(NamedTuple):
     lease: Lease
     keys: tuple[bytes, ...]

@@ -34,6 +34,8 @@ from kvstore.server.limits import (
     LimitExceededError,
     TenantLeases,
     check_token_count,
+    request_tokens,
+    token_count,
     tokens_array,
 )
 from kvstore.server.metrics import Metrics
@@ -45,6 +47,8 @@ from kvstore.wire import ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
 _CHUNKS_PER_MESSAGE = 16
+# Through shared memory a chunk is a small descriptor: far fewer messages and thread hops.
+_SHM_CHUNKS_PER_MESSAGE = 256
 # Lookups up to this many tokens run on the event loop (cheaper than a thread hop).
 _INLINE_LOOKUP_TOKENS = 4096
 
@@ -72,15 +76,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         async with self._guard(context):
             model, namespace, _ = self._authorised(context, request.ctx)
-            if self._store.local_only and len(request.tokens) <= _INLINE_LOOKUP_TOKENS:
-                result = self._lookup(request.tokens, model, namespace)
+            if self._store.local_only and token_count(request) <= _INLINE_LOOKUP_TOKENS:
+                result = self._lookup(request, model, namespace)
             else:  # long lists (or a remote probe) would stall every other client's call
-                result = await asyncio.to_thread(self._lookup, request.tokens, model, namespace)
+                result = await asyncio.to_thread(self._lookup, request, model, namespace)
             self._tenants.add(namespace, {"lookups": 1, "lookup_hits": int(result.num_tokens > 0)})
             return pb.LookupResponse(
                 num_tokens=result.num_tokens,
                 num_blocks=result.num_blocks,
                 memory_blocks=result.memory_blocks,
+                packed_tokens=True,
             )
 
     @override
@@ -126,7 +131,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         async with self._guard(context), self._streaming():
             started = time.perf_counter()
             model, namespace, token = self._authorised(context, request.ctx)
-            check_token_count(len(request.tokens), self._config.max_lookup_tokens, "max_lookup_tokens")
+            check_token_count(token_count(request), self._config.max_lookup_tokens, "max_lookup_tokens")
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
             try:
                 stream = await asyncio.to_thread(self._load, request, model, namespace)
@@ -135,11 +140,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         matched_tokens=stream.matched_tokens,
                         selected_tokens=stream.selected_tokens,
                         shm=arena is not None,
+                        packed_tokens=True,
+                        shm_by_position=arena is not None and request.shm_by_position,
                     )
                 )
-                writer = ChunkWriter(stream, arena, model)
+                writer = ChunkWriter(
+                    stream, arena, model, packed_positions=request.packed_positions,
+                    by_position=request.shm_by_position,
+                )  # fmt: skip
                 limit = self._config.max_message_bytes // 2
-                while message := await asyncio.to_thread(writer.next_batch, _CHUNKS_PER_MESSAGE, limit):
+                batches = (_CHUNKS_PER_MESSAGE, limit, _SHM_CHUNKS_PER_MESSAGE)
+                while message := await asyncio.to_thread(writer.next_batch, *batches):
                     yield message
             finally:
                 if arena is not None:
@@ -243,12 +254,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     # Worker-thread bodies: token lists are converted there, off the event loop.
 
-    def _lookup(self, tokens: Any, model: ModelSpec, namespace: str) -> LookupResult:
-        return self._store.lookup(self._tokens(tokens), model=model, namespace=namespace)
+    def _lookup(self, request: pb.LookupRequest, model: ModelSpec, namespace: str) -> LookupResult:
+        tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")
+        return self._store.lookup(tokens, model=model, namespace=namespace)
 
     def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
+        tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")
         return self._store.load(
-            self._tokens(request.tokens), model=model, namespace=namespace,
+            tokens, model=model, namespace=namespace,
             budget=budget_from_fields(request), budget_tokens=request.budget_tokens or None,
         )  # fmt: skip
 

@@ -11,7 +11,7 @@ Buffers are page-locked when CUDA is available.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,11 @@ class MemoryTier:
     def contains(self, key: bytes) -> bool:
         with self._lock:
             return key in self._metas
+
+    def count_present(self, keys: Iterable[bytes]) -> int:
+        """How many of `keys` this tier holds (one lock for all: lookups ask for every block)."""
+        with self._lock:
+            return sum(1 for key in keys if key in self._metas)
 
     def delete_block(self, key: bytes) -> int:
         with self._lock:

@@ -35,22 +35,26 @@ class RequestContext(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ctx", "tokens")
+    __slots__ = ("ctx", "tokens", "tokens_u32le")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens_u32le: bytes
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., tokens_u32le: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_tokens", "num_blocks", "memory_blocks")
+    __slots__ = ("num_tokens", "num_blocks", "memory_blocks", "packed_tokens")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     num_blocks: int
     memory_blocks: int
-    def __init__(self, num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_blocks: _Optional[int] = ...) -> None: ...
+    packed_tokens: bool
+    def __init__(self, num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., packed_tokens: _Optional[bool] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("ctx", "tokens", "scores", "kv_start")
@@ -131,7 +135,7 @@ class ReleaseSegmentResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id", "budget_mode", "coverage", "min_fraction", "max_fraction")
+    __slots__ = ("ctx", "tokens", "budget", "budget_tokens", "shm_name", "shm_bytes", "arena_id", "budget_mode", "coverage", "min_fraction", "max_fraction", "tokens_u32le", "packed_positions", "shm_by_position")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +147,9 @@ class LoadRequest(_message.Message):
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
     MIN_FRACTION_FIELD_NUMBER: _ClassVar[int]
     MAX_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: float
@@ -154,17 +161,24 @@ class LoadRequest(_message.Message):
     coverage: float
     min_fraction: float
     max_fraction: float
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ..., budget_mode: _Optional[str] = ..., coverage: _Optional[float] = ..., min_fraction: _Optional[float] = ..., max_fraction: _Optional[float] = ...) -> None: ...
+    tokens_u32le: bytes
+    packed_positions: bool
+    shm_by_position: bool
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., arena_id: _Optional[str] = ..., budget_mode: _Optional[str] = ..., coverage: _Optional[float] = ..., min_fraction: _Optional[float] = ..., max_fraction: _Optional[float] = ..., tokens_u32le: _Optional[bytes] = ..., packed_positions: _Optional[bool] = ..., shm_by_position: _Optional[bool] = ...) -> None: ...
 
 class LoadHeader(_message.Message):
-    __slots__ = ("matched_tokens", "selected_tokens", "shm")
+    __slots__ = ("matched_tokens", "selected_tokens", "shm", "packed_tokens", "shm_by_position")
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SELECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     selected_tokens: int
     shm: bool
-    def __init__(self, matched_tokens: _Optional[int] = ..., selected_tokens: _Optional[int] = ..., shm: _Optional[bool] = ...) -> None: ...
+    packed_tokens: bool
+    shm_by_position: bool
+    def __init__(self, matched_tokens: _Optional[int] = ..., selected_tokens: _Optional[int] = ..., shm: _Optional[bool] = ..., packed_tokens: _Optional[bool] = ..., shm_by_position: _Optional[bool] = ...) -> None: ...
 
 class ShmRef(_message.Message):
     __slots__ = ("slot", "num_tokens")
@@ -175,20 +189,22 @@ class ShmRef(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("block_index", "chunk_index", "positions", "data", "shm", "tier")
+    __slots__ = ("block_index", "chunk_index", "positions", "data", "shm", "tier", "positions_u32le")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_U32LE_FIELD_NUMBER: _ClassVar[int]
     block_index: int
     chunk_index: int
     positions: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     shm: ShmRef
     tier: str
-    def __init__(self, block_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
+    positions_u32le: bytes
+    def __init__(self, block_index: _Optional[int] = ..., chunk_index: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., tier: _Optional[str] = ..., positions_u32le: _Optional[bytes] = ...) -> None: ...
 
 class ChunkBatch(_message.Message):
     __slots__ = ("chunks",)

@@ -1,0 +1,77 @@
+"""Cold loads read LMDB values with pread (kvstore/tiers/lmdbread.py), still verified.
+
+Real LMDB files under tmp_path: a restarted store (empty memory tier) loads from
+disk through the pread path, a byte flipped in data.mdb is still caught by the
+chunk checksum, and buffers that are not in the map are copied instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from conftest import make_kv, make_tokens
+
+from kvstore.config import StoreConfig
+from kvstore.model import ModelSpec
+from kvstore.store import TieredStore
+from kvstore.tiers.lmdbread import MapReader, find_mapping
+
+# 2 KiB per token: a chunk of 8 tokens is 16 KiB, stored in LMDB overflow pages.
+WIDE = ModelSpec("test-wide", num_layers=4, num_kv_heads=2, head_dim=64)
+
+
+def _config(tmp_path: Path) -> StoreConfig:
+    return StoreConfig(data_dir=tmp_path / "data", block_tokens=32, chunk_tokens=8, memory_bytes=64 << 20)
+
+
+def _ordered(stream: object) -> np.ndarray:
+    positions, kv = stream.gather(WIDE)  # type: ignore[attr-defined]
+    return np.asarray(kv[:, :, :, np.argsort(positions)])
+
+
+def test_restarted_store_loads_every_block_from_disk_through_pread(tmp_path: Path) -> None:
+    config, tokens, kv = _config(tmp_path), make_tokens(128), make_kv(WIDE, 128)
+    with TieredStore(config) as store:
+        store.store(tokens, kv, model=WIDE)
+    with TieredStore(config) as store:
+        stream = store.load(tokens, model=WIDE)
+        loaded = _ordered(stream)
+        assert store.durable[0]._reader.mapped  # type: ignore[attr-defined]
+        assert stream.num_tokens == 128
+        assert store.stats().counters.get("chunk_hits.lmdb") == 16
+    assert np.array_equal(loaded, kv)
+
+
+def test_flipped_payload_byte_in_data_file_fails_the_checksum(tmp_path: Path) -> None:
+    config, tokens, kv = _config(tmp_path), make_tokens(64), make_kv(WIDE, 64)
+    with TieredStore(config) as store:
+        store.store(tokens, kv, model=WIDE)
+    data_file = config.lmdb_dir / "data.mdb"  # type: ignore[operator]
+    raw = bytearray(data_file.read_bytes())
+    # The second block's first chunk holds tokens 32..39 in order (no scores): find its payload.
+    needle = np.ascontiguousarray(kv[:, :, :, 32:40]).tobytes()[:256]
+    at = raw.find(needle)
+    assert at > 0 and raw.find(needle, at + 1) == -1
+    raw[at + 100] ^= 0x10
+    data_file.write_bytes(bytes(raw))
+    with TieredStore(config) as store:
+        stream = store.load(tokens, model=WIDE)
+        chunks = list(stream)
+        assert stream.num_tokens == 32  # the corrupt second block ends the prefix
+        assert sum(len(c.positions) for c in chunks) == 32
+        assert store.stats().counters.get("checksum_failures") == 1
+
+
+def test_buffers_outside_the_map_are_copied(tmp_path: Path) -> None:
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"x" * 4096)
+    reader = MapReader(path)
+    try:
+        views = reader.read([memoryview(b"abc"), None, bytearray(b"def")])
+        assert [None if v is None else bytes(v) for v in views] == [b"abc", None, b"def"]
+        assert all(v is None or v.readonly for v in views)
+        assert not reader.mapped
+    finally:
+        reader.close()
+    assert find_mapping(path.stat().st_ino, 0) is None

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.sidecar import Sidecar
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
@@ -147,3 +148,11 @@ def private_cluster(tmp_path: Path) -> Iterator[Any]:
     cluster = LocalCluster(tmp_path / "cluster").start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    """A `kvsieve serve` subprocess on a free loopback port, shared by a test module."""
+    server = Sidecar(tmp_path_factory.mktemp("sidecar")).start()
+    yield server
+    server.kill()

@@ -6,10 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from conftest import TINY, make_kv, make_tokens
 
 from bench.sidecar import Sidecar
@@ -17,13 +15,6 @@ from kvstore.api import LoadStream, PrefixStore, StoreInfo
 from kvstore.client import KVClient
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
-    server = Sidecar(tmp_path_factory.mktemp("api")).start()
-    yield server
-    server.kill()
 
 
 def test_the_thin_client_imports_no_store_no_lmdb_no_redis() -> None:

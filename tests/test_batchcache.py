@@ -78,7 +78,7 @@ def test_take_and_drop_remove_rows(engine) -> None:  # type: ignore[no-untyped-d
     assert len(batch) == 1 and batch.keys == [2]
     with pytest.raises(KeyError, match="no row 0"):
         batch.drop(0)
-    with pytest.raises(ValueError, match="1 tokens for 1 rows|2 tokens for 1 rows"):
+    with pytest.raises(ValueError, match="2 tokens for 1 rows"):
         batch.step(engine.lm.model, [1, 2], [3, 4])
     batch.drop(2)
     assert len(batch) == 0 and batch.buffers() == []

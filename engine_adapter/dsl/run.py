@@ -302,7 +302,7 @@ class ProgramRun:
             self.stats.prefill_tokens += state.computed_tokens
             self._pin(ids)
         else:
-            ctx.logits = self.engine.extend(ctx.pending, len(ctx.tokens), ctx.cache)[-1]
+            ctx.logits = self.engine.extend(ctx.pending, len(ctx.tokens), ctx.cache, last_only=True)[-1]
             self.stats.prefill_tokens += len(ctx.pending)
         ctx.tokens, ctx.pending = ids, []
 

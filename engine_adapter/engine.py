@@ -118,7 +118,7 @@ class Engine:
         loaded = len(positions)
         stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
         t0 = time.perf_counter()
-        logits = self._forward(ids[matched:], matched, cache, stats, last_only=True)
+        logits = self._forward(ids[matched:], matched, cache, stats)
         timings.prefill_s = time.perf_counter() - t0
         state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
         if loaded == matched:  # KV computed over a partial prefix is approximate: never store it

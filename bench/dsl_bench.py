@@ -49,7 +49,7 @@ def _context(lm: Any, tokens: int) -> str:
 
 
 def _compare(lm: Any, prefix: str, program: str, args: dict[str, str], calls: Any) -> dict[str, Any]:
-    from engine_adapter.dsl import plan
+    from engine_adapter.dsl import Limits, plan
     from engine_adapter.dsl.run import ProgramRun
     from engine_adapter.engine import Engine
 
@@ -57,8 +57,10 @@ def _compare(lm: Any, prefix: str, program: str, args: dict[str, str], calls: An
         tempfile.TemporaryDirectory(dir=Path.home()) as tmp,
         TieredStore(StoreConfig(data_dir=Path(tmp))) as store,
     ):
+        # A measurement, not a service: no run deadline (a loaded machine must not abort it).
+        checked = plan((EXAMPLES / f"{program}.kvs").read_text(), Limits(deadline_s=3600.0))
         t0 = time.perf_counter()
-        run_ = ProgramRun(Engine(lm, store), plan((EXAMPLES / f"{program}.kvs").read_text()), args)
+        run_ = ProgramRun(Engine(lm, store), checked, args)
         events = list(run_.events())
         program_s, program_tokens = time.perf_counter() - t0, run_.stats.prefill_tokens
         if events[-1].kind != "done":

@@ -264,3 +264,53 @@ def test_run_command_reports_a_dead_store_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("kvsieve run: error:")]
     assert len(errors) == 1 and "UNAVAILABLE" in errors[0], result.stderr
+
+
+def _fork(name: str, question: str, tokens: int) -> str:
+    return f'{name} = fork {{ user "{question}" s = gen(max_tokens={tokens}) return s }}'
+
+
+FORKS = [("a", "Name a colour.", 4), ("b", "Name a fruit.", 7), ("c", "Name an animal.", 10)]
+
+
+def test_batched_forks_answer_as_each_fork_alone_and_leave_the_batch(engine) -> None:  # type: ignore[no-untyped-def]
+    forks = "\n".join(_fork(*f) for f in FORKS)
+    source = f'program p() {{ {SYSTEM} user "Answer in one word." {forks} wait a, b, c yield a, b, c }}'
+    events, run = _run(engine, source, {})
+    together = {e.name: e.value for e in events if e.kind == "yield"}
+    assert run.stats.max_batch == 3
+    # Each row leaves the batch when its answer ends: the batch shrinks as the answers do.
+    tokens = run.stats.branch_tokens
+    assert run.stats.batch_sizes == [
+        sum(tokens[n] > k for n, _, _ in FORKS) for k in range(max(tokens.values()))
+    ]
+    assert len(set(run.stats.batch_sizes)) > 1 and len(run.batch) == 0
+    # One rebuild to enter, one per row leaving while others stay: none per step.
+    assert run.batch.stats.rebuilds <= 3 < run.stats.decode_steps
+    for fork in FORKS:
+        name = fork[0]
+        body = f'{SYSTEM} user "Answer in one word." {_fork(*fork)}'
+        alone = f"program p() {{ {body} wait {name} yield {name} }}"
+        alone_events, alone_run = _run(engine, alone, {})
+        assert alone_run.stats.max_batch == 1
+        assert together[name] == next(e.value for e in alone_events if e.kind == "yield")
+
+
+def test_a_killed_branch_leaves_the_batch_at_once(engine) -> None:  # type: ignore[no-untyped-def]
+    source = f"""program p() {{
+      {SYSTEM}
+      user "Write a long story about a dragon."
+      story = fork {{ s = gen(max_tokens=200) return s }}
+      user "Count from one to ten."
+      a = gen(max_tokens=6)
+      kill story
+      b = gen(max_tokens=4)
+      yield a, b
+    }}"""
+    _, run = _run(engine, source, {})
+    story = run.stats.branch_tokens["story"]
+    assert run.stats.killed_branches == ["story"]
+    # `story` decoded beside `a`, then its row was removed: `b` decodes alone.
+    assert run.stats.batch_sizes[:story] == [2] * story
+    assert run.stats.batch_sizes[story:] == [1] * (len(run.stats.batch_sizes) - story)
+    assert len(run.stats.batch_sizes) > story and len(run.batch) == 0

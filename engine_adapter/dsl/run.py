@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from engine_adapter.batchcache import BatchCache
 from engine_adapter.cache import share_cache
 from engine_adapter.decode import Completion, Sampler
 from engine_adapter.dsl import ops
-from engine_adapter.dsl.context import Context, batched_step
+from engine_adapter.dsl.context import Context
 from engine_adapter.dsl.errors import ProgramRuntimeError
 from engine_adapter.dsl.plan import Plan, check_args
 from engine_adapter.dsl.values import Branch, Frame, ListItems, as_text, list_items, ready, value_of
@@ -47,6 +48,7 @@ class RunStats:
     prefill_tokens: int = 0
     decode_steps: int = 0
     max_batch: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # rows in the batch at each decode step
     branch_tokens: dict[str, int] = field(default_factory=dict)
     killed_branches: list[str] = field(default_factory=list)  # stopped by `kill` while running
 
@@ -55,6 +57,7 @@ class RunStats:
 class _Decode:
     token: int
     position: int
+    reserve: int  # steps the branch may still take (room to leave for it in the batch)
 
 
 @dataclass
@@ -91,6 +94,9 @@ class ProgramRun:
         self._started = time.perf_counter()
         self._lease: str | None = None
         self._eos = engine.lm.eos_token_ids
+        # The KV of every decoding branch, one row each (keyed by id(branch)), kept
+        # between steps: a branch enters when its answer starts and leaves when it ends.
+        self.batch = BatchCache(engine.lm.model.config)
 
     # -- the scheduler ------------------------------------------------------------
 
@@ -146,23 +152,36 @@ class ProgramRun:
             if waiting:
                 raise ProgramRuntimeError(f"branches {waiting} wait on each other")
             return
-        requests = [b.request for b in decoding]
-        if len(decoding) == 1:
-            ctx = decoding[0].ctx
-            logits = self.engine.extend([requests[0].token], requests[0].position, ctx.cache)[-1:]
-            caches = [ctx.cache]
-        else:
-            logits, caches = batched_step(
-                self.engine.lm.model, [b.ctx.cache for b in decoding],
-                [r.token for r in requests], [r.position for r in requests],
-            )  # fmt: skip
+        self._enter_batch([b for b in decoding if id(b) not in self.batch])
+        by_key: dict[Hashable, Branch] = {id(b): b for b in decoding}
+        if set(by_key) != set(self.batch.keys):  # every row decodes at every step
+            raise RuntimeError("the decode batch holds rows of branches that are not decoding")
+        rows = [by_key[key] for key in self.batch.keys]
+        requests: list[_Decode] = [b.request for b in rows]
+        logits = self.batch.step(
+            self.engine.lm.model, [r.token for r in requests], [r.position for r in requests]
+        )
         self.stats.decode_steps += 1
-        self.stats.max_batch = max(self.stats.max_batch, len(decoding))
-        for row, (branch, request) in enumerate(zip(decoding, requests, strict=True)):
-            branch.ctx.cache = caches[row]
+        self.stats.max_batch = max(self.stats.max_batch, len(rows))
+        self.stats.batch_sizes.append(len(self.batch))
+        for row, (branch, request) in enumerate(zip(rows, requests, strict=True)):
             branch.ctx.tokens.append(request.token)
             branch.send, branch.request = logits[row], None
             self.stats.branch_tokens[branch.name] = self.stats.branch_tokens.get(branch.name, 0) + 1
+
+    def _enter_batch(self, branches: list[Branch]) -> None:
+        """Copy starting answers' KV into the batch, once for the whole answer."""
+        if not branches:
+            return
+        reserve = max(b.request.reserve for b in branches)
+        self.batch.add([(id(b), b.ctx.cache) for b in branches], reserve)
+        for branch in branches:
+            branch.ctx.cache = None  # the batch row holds it until the answer ends
+
+    def _leave_batch(self, branch: Branch) -> None:
+        """An answer ended: the branch's KV (its row) becomes its own cache again."""
+        if id(branch) in self.batch:
+            branch.ctx.cache = self.batch.take(id(branch))
 
     def _satisfied(self, wait: _WaitFor) -> bool:
         finished = [b.done or b.killed for b in wait.branches]
@@ -215,7 +234,8 @@ class ProgramRun:
                 break
             if op.as_list and items.complete(answer.stable, answer.pending) >= op.max_items:
                 break
-            logits = yield _Decode(token, ctx.next_position)
+            logits = yield _Decode(token, ctx.next_position, op.sampling.max_tokens - len(answer.tokens))
+        self._leave_batch(branch)
         closing = self.engine.chat.answered(ctx.conversation, answer.text)
         # The model's own end-of-turn token, when it wrote one, stands in for the template's.
         ctx.pending += [token, *closing[1:]] if answer.ended_by_eos else [token, *closing]
@@ -265,6 +285,8 @@ class ProgramRun:
         branch.killed, branch.request = True, None
         if branch.steps is not None:
             branch.steps.close()
+        if id(branch) in self.batch:
+            self.batch.drop(id(branch))  # its row leaves the batch before the next step
         branch.ctx = Context()  # drop its KV now
 
     # -- helpers ------------------------------------------------------------------
@@ -280,7 +302,7 @@ class ProgramRun:
             self.stats.prefill_tokens += state.computed_tokens
             self._pin(ids)
         else:
-            ctx.logits = self.engine.extend(ctx.pending, len(ctx.tokens), ctx.cache)[-1]
+            ctx.logits = self.engine.extend(ctx.pending, len(ctx.tokens), ctx.cache, last_only=True)[-1]
             self.stats.prefill_tokens += len(ctx.pending)
         ctx.tokens, ctx.pending = ids, []
 
@@ -293,6 +315,7 @@ class ProgramRun:
         self._lease = lease.lease_id
 
     def _release(self) -> None:
+        self.batch.clear()
         for branch in self._branches:
             if branch.steps is not None:
                 branch.steps.close()

@@ -42,6 +42,7 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._bare: tuple[str, str] | None = None
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         """The template's text of a conversation."""
@@ -65,12 +66,21 @@ class ChatFormat:
         return ids
 
     def reply(self, conversation: Conversation) -> list[int]:
-        """The ids that open the assistant's answer (the template's generation prompt)."""
+        """The ids that open the assistant's answer (the template's generation prompt).
+
+        With no message yet (a program that generates before saying anything), templates
+        refuse an empty conversation: the answer then opens with the bare generation
+        prompt, as before the template was used, and stays outside the conversation.
+        """
+        if not conversation.messages:
+            return self.tokenize(self._bare_turn()[0])
         text = self.render(conversation.messages, add_generation_prompt=True)
         return self.tokenize(self._after(conversation.rendered, text))
 
     def answered(self, conversation: Conversation, content: str) -> list[int]:
         """Record the assistant's answer `content`; the ids that close its turn after it."""
+        if not conversation.messages:  # a bare answer (see `reply`): closed, not recorded
+            return self.tokenize(self._bare_turn()[1])
         head = self.render(conversation.messages, add_generation_prompt=True)
         message = {"role": "assistant", "content": content}
         text = self.render([*conversation.messages, message])
@@ -78,6 +88,16 @@ class ChatFormat:
         conversation.messages.append(message)
         conversation.rendered = text
         return self.tokenize(closing)
+
+    def _bare_turn(self) -> tuple[str, str]:
+        """(generation prompt, end of an answer's turn), read off a one-message conversation."""
+        if self._bare is None:
+            user = {"role": "user", "content": "?"}
+            asked = self.render([user])
+            opening = self._after(asked, self.render([user], add_generation_prompt=True))
+            answered = self.render([user, {"role": "assistant", "content": "!"}])
+            self._bare = (opening, self._after(asked + opening + "!", answered))
+        return self._bare
 
     def _after(self, head: str, text: str) -> str:
         if not text.startswith(head):

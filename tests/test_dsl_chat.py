@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from engine_adapter.chat import Conversation
 from engine_adapter.dsl import plan
 from engine_adapter.dsl.run import ProgramRun
 
@@ -78,3 +79,11 @@ def test_fork_branches_continue_the_same_conversation(engine: Any) -> None:
     )
     _, events = _prompt(engine, body, {})
     assert [e.kind for e in events] == ["yield", "done"] and events[0].value in ("yes", "no")
+
+
+def test_an_answer_before_any_message_opens_and_closes_as_before(engine: Any) -> None:
+    """Templates refuse an empty conversation; a bare answer keeps the old turn markers."""
+    conversation = Conversation()
+    assert engine.chat.reply(conversation) == _old_format(engine, "<|im_start|>assistant\n")
+    assert engine.chat.answered(conversation, "x") == _old_format(engine, "<|im_end|>\n")
+    assert conversation.messages == []  # a bare answer is not a message of the conversation

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+
+import numpy as np
 
 
 def make_cold(*files: Path, drop_all: bool = True) -> str:
@@ -31,3 +34,18 @@ def make_cold(*files: Path, drop_all: bool = True) -> str:
         return "fadvise"
     except OSError:
         return "none"
+
+
+def cold_seq_read_mb_s(path: Path, nbytes: int, drop_all: bool = True) -> float:
+    """MB/s of a cold sequential read of a new file of `nbytes` random bytes at `path`.
+
+    `drop_all=False` evicts only that file, so that a loaded model stays cached.
+    """
+    path.write_bytes(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
+    make_cold(path, drop_all=drop_all)
+    buf = bytearray(4 << 20)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as fh:
+        while fh.readinto(buf):
+            pass
+    return nbytes / (time.perf_counter() - t0) / 1e6

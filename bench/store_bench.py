@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cache import make_cold
+from bench.cache import cold_seq_read_mb_s, make_cold
 from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
@@ -55,7 +55,7 @@ def _disk_and_memory(tmp: Path, n: int, rng: np.random.Generator, repeats: int) 
             cold = make_cold(store.durable[0].data_file())  # type: ignore[attr-defined]
             disk_rates.append(nbytes / _timed_load(store, tokens, out) / 1e6)
             mem_rates.append(nbytes / _timed_load(store, tokens, out) / 1e6)
-    seq = _seq_read_mb_s(tmp / "seq.bin", nbytes)
+    seq = cold_seq_read_mb_s(tmp / "seq.bin", nbytes)
     memcpy = _memcpy_mb_s(kvs[0], out)
     disk, mem = statistics.median(disk_rates), statistics.median(mem_rates)
     return {
@@ -82,17 +82,6 @@ def _timed_load(store: TieredStore, tokens: np.ndarray[Any, Any], out: np.ndarra
     if stream.num_tokens != len(tokens):
         raise RuntimeError(f"loaded {stream.num_tokens} of {len(tokens)} tokens")
     return elapsed
-
-
-def _seq_read_mb_s(path: Path, nbytes: int) -> float:
-    path.write_bytes(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
-    make_cold(path)
-    buf = bytearray(4 << 20)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
-    return nbytes / (time.perf_counter() - t0) / 1e6
 
 
 def _memcpy_mb_s(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> float:

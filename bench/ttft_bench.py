@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cache import make_cold
+from bench.cache import cold_seq_read_mb_s, make_cold
 from bench.texts import token_windows
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
@@ -118,7 +118,7 @@ def _floor(out: dict[str, Any], n: int, token_bytes: int, seq_file: Path) -> dic
     """The cold-disk floor at `n` tokens: computing the uncached suffix (measured in this
     run) plus reading the selected bytes (all n tokens) at this disk's sequential rate."""
     nbytes = n * token_bytes
-    seq = _seq_read_mb_s(seq_file, nbytes)
+    seq = cold_seq_read_mb_s(seq_file, nbytes, drop_all=False)
     floor = out[f"suffix_compute_s_{n}"] + nbytes / (seq * 1e6)
     return {
         "floor_s": round(floor, 4),
@@ -126,18 +126,6 @@ def _floor(out: dict[str, Any], n: int, token_bytes: int, seq_file: Path) -> dic
         "seq_read_mb_s": round(seq, 1),
         "ttft_vs_floor": round(out[f"ttft_disk_s_{n}"] / floor, 3),
     }
-
-
-def _seq_read_mb_s(path: Path, nbytes: int) -> float:
-    """Cold sequential read of a file of `nbytes` (evicted alone: the model stays cached)."""
-    path.write_bytes(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
-    make_cold(path, drop_all=False)
-    buf = bytearray(4 << 20)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
-    return nbytes / (time.perf_counter() - t0) / 1e6
 
 
 def _quality(lm: Any, data_dir: Path, n: int, count: int) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from importance.lowbit import dequantize, quantize
+
 Array = np.ndarray[Any, Any]
 #: Bytes of one stored element (fp16 KV and fp16 summary fields).
 ELEMENT_BYTES = 2
@@ -235,20 +237,11 @@ def _transposed(per_head: Array) -> Array:
 
 
 def quantize_keys(keys: Array, bits: int, group_tokens: int) -> Array:
-    """Keys after per-channel uniform quantisation to `bits` (offset and step per group of tokens).
+    """Keys after per-channel uniform quantisation to `bits` (see `importance.lowbit`).
 
-    Keys have a few large channels (RoPE pairs); per-channel steps keep the small
-    ones from collapsing to zero (as KIVI does for keys). Returns the dequantised keys.
+    Returns the dequantised keys: exactly what the store's summaries decode to.
     """
-    out = np.empty_like(keys)
-    levels = (1 << bits) - 1
-    for start in range(0, keys.shape[1], group_tokens):
-        part = keys[:, start : start + group_tokens]
-        low, high = part.min(axis=1, keepdims=True), part.max(axis=1, keepdims=True)
-        step = np.where(high > low, (high - low) / levels, 1.0)
-        codes = np.clip(np.rint((part - low) / step), 0, levels)
-        out[:, start : start + group_tokens] = low + codes * step
-    return out
+    return dequantize(quantize(keys, bits, group_tokens))
 
 
 def chunk_mass(logits: Array, kv_heads: int, per_kv_head: bool) -> Array:

@@ -32,6 +32,8 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "AutoBudget",
     "Budget",
+    "LayerSlice",
+    "LayeredLoad",
     "Lease",
     "LoadStream",
     "LoadedChunk",
@@ -132,6 +134,90 @@ class LoadStream(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
+@dataclass(frozen=True)
+class LayerSlice:
+    """The chunks of one layer that a `LayeredLoad` read.
+
+    Attributes:
+        positions: (n,) int64 true positions in the prompt, ascending.
+        kv: (2, kv_heads, n, head_dim) keys (post-RoPE, as computed) and values, in
+            `model.dtype`; may be a read-only view valid until the load is closed.
+    """
+
+    positions: Array
+    kv: Array
+
+
+@runtime_checkable
+class LayeredLoad(Protocol):
+    """A prefix load that proceeds layer by layer, for query-aware chunk selection.
+
+    Only blocks stored in the layered layout (docs/importance.md: per layer, chunks of
+    `chunk_tokens` consecutive tokens in prompt order, with one key summary per block
+    and layer) can be read this way; `matched_tokens` covers the leading run of such
+    blocks (0 when the first matched block is not layered: use `PrefixStore.load`).
+    Chunk `c` of a layer holds positions [c * chunk_tokens, (c + 1) * chunk_tokens) of
+    the matched prefix. The blocks stay readable until `close` (the load pins them).
+
+    Attributes (counters grow as layers are read):
+        matched_tokens: prefix length readable layer by layer.
+        chunk_tokens: tokens per per-layer chunk.
+        num_layers: layers of the model.
+        prefix_bytes: encoded bytes of the matched blocks, summaries included.
+        summary_bytes: encoded bytes of all summaries of the matched blocks.
+        bytes_read: encoded bytes read so far (summaries and chunks).
+        delivered_tokens: tokens delivered so far, summed over layers.
+    """
+
+    matched_tokens: int
+    chunk_tokens: int
+    num_layers: int
+    prefix_bytes: int
+    summary_bytes: int
+    bytes_read: int
+    delivered_tokens: int
+
+    @property
+    def delivered_fraction(self) -> float:
+        """Delivered tokens / (matched tokens x layers read); 0.0 before any layer."""
+        ...
+
+    @property
+    def read_fraction(self) -> float:
+        """Bytes read / `prefix_bytes` (0.0 if nothing matched)."""
+        ...
+
+    def key_summary(self, layer: int) -> Array:
+        """Approximate keys of `layer` over the matched prefix, from its summaries.
+
+        Returns float32 (kv_heads, matched_tokens, head_dim), post-RoPE like the keys.
+        Reads the layer's summaries on first use (counted in `bytes_read`).
+
+        Raises:
+            InvalidInputError: layer out of range.
+            ChecksumError: a summary failed its checksum (the block is forgotten).
+        """
+        ...
+
+    def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
+        """Read chunks `chunks` (indices into the matched prefix's chunks) of `layer`.
+
+        Raises:
+            InvalidInputError: layer or a chunk index out of range, or repeated.
+            ChecksumError: a chunk failed its checksum (the block is forgotten): the
+                caller must not use what it read of this prefix (recompute instead).
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the pin and buffers. Idempotent."""
+        ...
+
+    def __enter__(self) -> LayeredLoad: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 @runtime_checkable
 class PrefixStore(Protocol):
     """KV of token prefixes, shared across requests. Thread-safe.
@@ -211,6 +297,16 @@ class PrefixStore(Protocol):
         Reads chunks from the fastest tier holding them and promotes them to memory.
         A block that fails its checksum or is gone from every tier ends the stream
         (`LoadStream.num_tokens` says how far it got) and is forgotten.
+        """
+        ...
+
+    def open_layers(
+        self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> LayeredLoad:
+        """Open the cached prefix of `tokens` for reading layer by layer (see `LayeredLoad`).
+
+        Reads no KV yet. Its `matched_tokens` is 0 when the prefix is not cached in the
+        layered layout; close it in every case.
         """
         ...
 

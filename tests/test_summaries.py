@@ -91,7 +91,8 @@ def test_quantized_keys_stay_within_half_a_step() -> None:
         for start in (0, 256):
             part, approx = k[:, start : start + 256], q[:, start : start + 256]
             step = (part.max(axis=1) - part.min(axis=1)) / ((1 << bits) - 1)
-            assert np.all(np.abs(part - approx) <= step[:, None] / 2 + 1e-5)
+            # fp16 offsets and steps (rounded outwards): half a step plus fp16's rounding
+            assert np.all(np.abs(part - approx) <= step[:, None] / 2 * (1 + 2e-3) + 1e-5)
         assert len({float(x) for x in q[0, :256, 0]}) <= 1 << bits
 
 

@@ -38,6 +38,8 @@ class ServerConfig:
         shm_namespace_bytes: shared-memory arenas one namespace may hold, in bytes.
         shm_total_bytes: shared-memory arenas of all clients, in bytes.
         shm_idle_s: an arena unused this long is unmapped.
+        layers_idle_s: a LoadLayers stream with no request for this long is ended (and its pin
+            released).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -62,6 +64,7 @@ class ServerConfig:
     shm_namespace_bytes: int = 2 << 30
     shm_total_bytes: int = 4 << 30
     shm_idle_s: float = 60.0
+    layers_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -99,6 +102,8 @@ class ServerConfig:
             )
         if self.namespace_max_bytes < 0 or self.shm_idle_s <= 0:
             raise InvalidInputError("namespace_max_bytes must be >= 0 and shm_idle_s > 0")
+        if not 0 < self.layers_idle_s <= 3600:
+            raise InvalidInputError(f"layers_idle_s must be in (0, 3600], got {self.layers_idle_s}")
         if self.metrics_listen and not self.metrics_is_loopback and not self.metrics_allow_remote:
             raise InvalidInputError(
                 f"refusing to serve metrics on {self.metrics_listen}: the metrics endpoint has no auth "

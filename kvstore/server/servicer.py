@@ -29,6 +29,7 @@ from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.chunks import ChunkWriter, place_slice
 from kvstore.server.config import ServerConfig
+from kvstore.server.layers import serve_layers
 from kvstore.server.limits import (
     ByteBudget,
     LimitExceededError,
@@ -170,6 +171,19 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             self._metrics.load_seconds.observe(time.perf_counter() - started)
             if stream.selected_tokens:
                 self._metrics.read_amplification.observe(stream.read_amplification)
+
+    @override
+    async def LoadLayers(
+        self, request_iterator: AsyncIterator[pb.LayersRequest], context: Any
+    ) -> AsyncIterator[pb.LayersResponse]:
+        async with self._guard(context), self._streaming():
+            answers = serve_layers(
+                self._store, request_iterator, lambda ctx: self._authorised(context, ctx),
+                max_tokens=self._config.max_lookup_tokens, max_message_bytes=self._config.max_message_bytes,
+                idle_s=self._config.layers_idle_s,
+            )  # fmt: skip
+            async for answer in answers:
+                yield answer
 
     @override
     async def ReportScores(self, request: pb.ReportScoresRequest, context: Any) -> pb.ReportScoresResponse:

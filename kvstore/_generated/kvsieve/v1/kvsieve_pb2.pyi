@@ -328,3 +328,89 @@ class StatsResponse(_message.Message):
     active_leases: int
     read_amplification: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., read_amplification: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class LayersOpen(_message.Message):
+    __slots__ = ("ctx", "tokens_u32le")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens_u32le: bytes
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens_u32le: _Optional[bytes] = ...) -> None: ...
+
+class LayerRead(_message.Message):
+    __slots__ = ("layer", "summary", "chunks_u32le")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    summary: bool
+    chunks_u32le: bytes
+    def __init__(self, layer: _Optional[int] = ..., summary: _Optional[bool] = ..., chunks_u32le: _Optional[bytes] = ...) -> None: ...
+
+class LayersRequest(_message.Message):
+    __slots__ = ("open", "read")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    open: LayersOpen
+    read: LayerRead
+    def __init__(self, open: _Optional[_Union[LayersOpen, _Mapping]] = ..., read: _Optional[_Union[LayerRead, _Mapping]] = ...) -> None: ...
+
+class LayersHeader(_message.Message):
+    __slots__ = ("matched_tokens", "chunk_tokens", "num_layers", "prefix_bytes", "summary_bytes")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    chunk_tokens: int
+    num_layers: int
+    prefix_bytes: int
+    summary_bytes: int
+    def __init__(self, matched_tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., summary_bytes: _Optional[int] = ...) -> None: ...
+
+class LayerSummary(_message.Message):
+    __slots__ = ("layer", "kv_heads", "num_tokens", "head_dim", "bits", "group_tokens", "codes", "low_f16", "step_f16")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    LOW_F16_FIELD_NUMBER: _ClassVar[int]
+    STEP_F16_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    kv_heads: int
+    num_tokens: int
+    head_dim: int
+    bits: int
+    group_tokens: int
+    codes: bytes
+    low_f16: bytes
+    step_f16: bytes
+    def __init__(self, layer: _Optional[int] = ..., kv_heads: _Optional[int] = ..., num_tokens: _Optional[int] = ..., head_dim: _Optional[int] = ..., bits: _Optional[int] = ..., group_tokens: _Optional[int] = ..., codes: _Optional[bytes] = ..., low_f16: _Optional[bytes] = ..., step_f16: _Optional[bytes] = ...) -> None: ...
+
+class LayerData(_message.Message):
+    __slots__ = ("layer", "positions_u32le", "kv")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    positions_u32le: bytes
+    kv: bytes
+    def __init__(self, layer: _Optional[int] = ..., positions_u32le: _Optional[bytes] = ..., kv: _Optional[bytes] = ...) -> None: ...
+
+class LayersResponse(_message.Message):
+    __slots__ = ("header", "summary", "data", "bytes_read", "delivered_tokens")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    header: LayersHeader
+    summary: LayerSummary
+    data: LayerData
+    bytes_read: int
+    delivered_tokens: int
+    def __init__(self, header: _Optional[_Union[LayersHeader, _Mapping]] = ..., summary: _Optional[_Union[LayerSummary, _Mapping]] = ..., data: _Optional[_Union[LayerData, _Mapping]] = ..., bytes_read: _Optional[int] = ..., delivered_tokens: _Optional[int] = ...) -> None: ...

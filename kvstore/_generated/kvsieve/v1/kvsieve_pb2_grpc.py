@@ -79,6 +79,11 @@ class KVCacheStub:
                 request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentRequest.SerializeToString,
                 response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentResponse.FromString,
                 _registered_method=True)
+        self.LoadLayers = channel.stream_stream(
+                '/kvsieve.v1.KVCache/LoadLayers',
+                request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersRequest.SerializeToString,
+                response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -138,6 +143,12 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLayers(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.ReleaseSegment,
                     request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentRequest.FromString,
                     response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentResponse.SerializeToString,
+            ),
+            'LoadLayers': grpc.stream_stream_rpc_method_handler(
+                    servicer.LoadLayers,
+                    request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersRequest.FromString,
+                    response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class KVCache:
             '/kvsieve.v1.KVCache/ReleaseSegment',
             kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentRequest.SerializeToString,
             kvsieve_dot_v1_dot_kvsieve__pb2.ReleaseSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLayers(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsieve.v1.KVCache/LoadLayers',
+            kvsieve_dot_v1_dot_kvsieve__pb2.LayersRequest.SerializeToString,
+            kvsieve_dot_v1_dot_kvsieve__pb2.LayersResponse.FromString,
             options,
             channel_credentials,
             insecure,

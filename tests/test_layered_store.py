@@ -259,3 +259,36 @@ def test_both_stores_satisfy_the_protocol() -> None:
             assert isinstance(load, LayeredLoad) and load.matched_tokens == 0
             with pytest.raises(InvalidInputError, match="layer"):
                 load.key_summary(TINY.num_layers)
+
+
+def test_memory_cache_evicts_and_promotes_per_record(tmp_path: Path) -> None:
+    with TieredStore(_config(tmp_path)) as probe:
+        toks, kv, _ = _stored(probe)
+        block_bytes = _metas(probe, toks)[0].nbytes
+    with TieredStore(replace(_config(tmp_path), memory_bytes=block_bytes + block_bytes // 2)) as store:
+        for budget in (1.0, 0.5, 1.0):
+            with store.load(toks, model=TINY, budget=budget) as stream:
+                chunks = list(stream)
+            for chunk in chunks:
+                np.testing.assert_array_equal(chunk.kv, kv[:, :, :, chunk.positions])
+        with store.open_layers(toks, model=TINY) as load:
+            np.testing.assert_array_equal(load.read_layer(0, range(N // C)).kv, kv[0])
+            load.key_summary(1)
+        stats = store.stats()
+        assert stats.counters["evictions.memory"] > 0 and stats.counters["chunk_hits.memory"] > 0
+        assert stats.tiers["memory"].used_bytes <= block_bytes + block_bytes // 2
+
+
+def test_memory_only_store_evicts_whole_layered_blocks(tmp_path: Path) -> None:
+    with TieredStore(_config(None)) as probe:
+        toks, kv, _ = _stored(probe)
+        block_bytes = _metas(probe, toks)[0].nbytes
+    with TieredStore(replace(_config(None), memory_bytes=4 * block_bytes)) as store:
+        first, _, _ = _stored(store, seed=1)
+        toks, kv, _ = _stored(store, seed=2)  # needs room: the first prompt's blocks go
+        assert store.lookup(first, model=TINY).num_tokens < N
+        _, positions, out = store.load_arrays(toks, model=TINY)
+        np.testing.assert_array_equal(positions, np.arange(N))
+        np.testing.assert_array_equal(out, kv)
+        with store.open_layers(toks, model=TINY) as load:
+            np.testing.assert_array_equal(load.read_layer(1, [3]).kv, kv[1][:, :, 24:32])

@@ -21,7 +21,7 @@ import numpy as np
 from importance.layout import importance_order
 from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
-from kvstore.errors import ChecksumError, KVSieveError, StoreFullError, TierFullError
+from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, StoreFullError, TierFullError
 from kvstore.index import LoadPlan, StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
 from kvstore.layered_blocks import encode_layered, join_layers, memory_record, stored_records
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote ti
     from kvstore.tiers.lmdb import LmdbTier
 
 NewBlock = tuple[BlockMeta, list[bytes]]
+MAX_RECORDS = 65535  # records per block: chunk indices are u16 in chunk keys (docs/keys.md)
 
 
 class BlockMover:
@@ -263,6 +264,11 @@ class BlockMover:
     ) -> NewBlock:  # fmt: skip
         """A block in the layered layout (kvstore/layered_blocks.py): prompt order, scores kept."""
         b, c = self._config.block_tokens, self._config.layer_chunk_tokens
+        if model.num_layers * (1 + b // c) > MAX_RECORDS:  # record indices are u16 in chunk keys
+            raise InvalidInputError(
+                f"layer_chunk_tokens {c} gives {model.num_layers * (1 + b // c)} records per block of "
+                f"{model.name}, more than {MAX_RECORDS}: use larger chunks"
+            )
         parent = keys[index - 1] if index else ROOT_KEY
         meta = BlockMeta(
             keys[index], parent, model.fingerprint, root[0], index, toks[index * b : (index + 1) * b].copy(),

@@ -292,3 +292,13 @@ def test_memory_only_store_evicts_whole_layered_blocks(tmp_path: Path) -> None:
         np.testing.assert_array_equal(out, kv)
         with store.open_layers(toks, model=TINY) as load:
             np.testing.assert_array_equal(load.read_layer(1, [3]).kv, kv[1][:, :, 24:32])
+
+
+def test_too_many_records_per_block_is_refused_before_anything_is_stored(tmp_path: Path) -> None:
+    wide = replace(TINY, num_layers=4096)  # 4096 x (1 + 32 / 1) records: over the u16 chunk index
+    config = replace(_config(tmp_path), layer_chunk_tokens=1)
+    with TieredStore(config) as store:
+        toks, kv = make_tokens(B), make_kv(wide, B)
+        with pytest.raises(InvalidInputError, match="layer_chunk_tokens 1 gives 135168 records"):
+            store.store(toks, kv, model=wide)
+        assert store.lookup(toks, model=wide).num_tokens == 0

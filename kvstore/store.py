@@ -115,7 +115,9 @@ class TieredStore:
 
     @property
     def info(self) -> StoreInfo:
-        return StoreInfo(self.config.block_tokens, self.config.chunk_tokens)
+        layered = self.config.layout == "layered"  # new blocks select chunks of this size
+        chunk = self.config.layer_chunk_tokens if layered else self.config.chunk_tokens
+        return StoreInfo(self.config.block_tokens, chunk)
 
     def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
         match = self._match(self._root(model, namespace), as_token_array(tokens))

@@ -18,7 +18,7 @@ from importance.lowbit import dequantize, quantize
 from kvstore.api import LayeredLoad, PrefixStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.meta import BlockMeta
+from kvstore.meta import BlockMeta, identity_error
 from kvstore.store import TieredStore
 from kvstore.summary import summary_record_bytes
 from tests.conftest import TINY, corrupt_chunk, make_kv, make_tokens
@@ -54,6 +54,7 @@ def _metas(store: TieredStore, toks: Array) -> list[BlockMeta]:
 
 
 def test_layered_blocks_record_their_layout_and_records(layered: TieredStore) -> None:
+    assert (layered.info.block_tokens, layered.info.chunk_tokens) == (B, C)
     toks, _, scores = _stored(layered)
     for i, meta in enumerate(_metas(layered, toks)):
         assert meta.is_layered and meta.layout == "layered" and meta.num_layers == TINY.num_layers
@@ -302,3 +303,19 @@ def test_too_many_records_per_block_is_refused_before_anything_is_stored(tmp_pat
         with pytest.raises(InvalidInputError, match="layer_chunk_tokens 1 gives 135168 records"):
             store.store(toks, kv, model=wide)
         assert store.lookup(toks, model=wide).num_tokens == 0
+
+
+def test_importance_records_are_written_as_before_and_bad_layered_records_refused(tmp_path: Path) -> None:
+    with TieredStore(replace(_config(tmp_path), layout="importance")) as store:
+        toks, _, _ = _stored(store)
+        old = _metas(store, toks)[0]
+    assert (
+        b'"layout"' not in old.to_bytes()
+        and BlockMeta.from_bytes(old.to_bytes(version=1)).layout == "importance"
+    )
+    layered = replace(old, layout="layered", num_layers=2, chunk_tokens=C, permutation=np.arange(B))
+    assert BlockMeta.from_bytes(layered.to_bytes()).num_chunks == 2 * (1 + B // C)
+    scrambled = replace(layered, permutation=np.roll(np.arange(B), 1))
+    with pytest.raises(ChecksumError, match="not in prompt order"):
+        BlockMeta.from_bytes(scrambled.to_bytes())
+    assert identity_error(replace(old, layout="columns")) == "unknown layout 'columns'"

@@ -319,3 +319,29 @@ def test_importance_records_are_written_as_before_and_bad_layered_records_refuse
     with pytest.raises(ChecksumError, match="not in prompt order"):
         BlockMeta.from_bytes(scrambled.to_bytes())
     assert identity_error(replace(old, layout="columns")) == "unknown layout 'columns'"
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_sidecar_serves_layered_blocks(tmp_path: Path, use_shm: bool) -> None:
+    from kvstore.client import KVClient
+    from kvstore.server.app import start
+    from kvstore.server.config import ServerConfig
+    from tests.conftest import ServerInThread
+
+    server = ServerInThread(start(ServerConfig(listen="127.0.0.1:0", metrics_listen=""), _config(tmp_path)))
+    try:
+        toks, kv = make_tokens(N), make_kv(TINY, N)
+        with KVClient(server.address, use_shm=use_shm) as client:
+            client.store(toks, kv, model=TINY)
+            with client.load(toks, model=TINY) as stream:
+                positions, out = stream.gather(TINY)
+            np.testing.assert_array_equal(positions, np.arange(N))
+            np.testing.assert_array_equal(out, kv)
+            with client.load(toks, model=TINY, budget=0.25) as stream:
+                positions, out = stream.gather(TINY)
+            assert len(positions) == N // 4
+            np.testing.assert_array_equal(out, kv[:, :, :, positions])
+    finally:
+        server.stop()
+    with TieredStore(_config(tmp_path)) as store:
+        assert all(m.is_layered for m in _metas(store, toks))

@@ -23,6 +23,7 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
 from kvstore.budget import Budget, budget_to_fields, resolve_budget
 from kvstore.client_arenas import ArenaPool, ClientArena
+from kvstore.client_layers import EmptyLayeredLoad
 from kvstore.client_stream import RemoteLoadStream as RemoteLoadStream  # re-export
 from kvstore.client_stream import domain_error
 from kvstore.errors import NotFoundError
@@ -182,6 +183,15 @@ class KVClient:
             if arena is not None:
                 self._arenas.discard(arena)
             raise
+
+    def open_layers(
+        self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> EmptyLayeredLoad:
+        """Not yet over the sidecar: always `matched_tokens == 0` (kvstore/client_layers.py), so
+        a caller uses `load`. Checks the namespace and tokens like every call."""
+        validate_namespace(namespace)
+        _tokens(tokens)
+        return EmptyLayeredLoad(model)
 
     def load_arrays(self, tokens: Tokens, **kwargs: Any) -> tuple[int, Array, Array]:
         """`load`, gathered: (prefix tokens covered, positions, kv); copies that outlive the stream."""

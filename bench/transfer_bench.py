@@ -83,7 +83,8 @@ def _stores(plain: KVClient, shm: KVClient, kv: Any, repeats: int) -> tuple[list
     """Seconds per Store of new prefixes (every block new), inline slices and through an arena,
     interleaved so that both see the same machine; the first shm store maps its arena (not timed)."""
     shm.store(np.arange(kv.shape[3]) + 60_000, kv, model=MODEL)
-    inline, shared = [], []
+    inline: list[float] = []
+    shared: list[float] = []
     for i in range(repeats):
         for client, times in ((plain, inline), (shm, shared)):
             tokens = np.random.default_rng(1000 + 2 * i + (times is shared)).integers(0, 49152, kv.shape[3])

@@ -64,7 +64,11 @@ def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: b
         grpc_s = [_load_into(plain, tokens, out) for _ in range(repeats)]
         shm_s = [_load_shared(shm, tokens, kv) for _ in range(repeats + 1)][1:]  # 1st maps the arena
         p50, p99 = _concurrent_lookups(server.address, tokens, 200 if quick else 1000)
+        store_grpc, store_shm = _stores(plain, shm, kv, repeats)
     return {
+        "store_grpc_mb_s": round(kv.nbytes / statistics.median(store_grpc) / 1e6, 1),
+        "store_shm_mb_s": round(kv.nbytes / statistics.median(store_shm) / 1e6, 1),
+        "store_shm_vs_grpc": round(statistics.median(store_grpc) / statistics.median(store_shm), 3),
         "grpc_stream_mb_s": round(kv.nbytes / statistics.median(grpc_s) / 1e6, 1),
         "shm_mb_s": round(kv.nbytes / statistics.median(shm_s) / 1e6, 1),
         "lookup_p50_us": round(p50, 1),
@@ -73,6 +77,21 @@ def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: b
         "lookup_p99_ms": round(p99 / 1e3, 3),
         "lookup_clients": 8,
     }
+
+
+def _stores(plain: KVClient, shm: KVClient, kv: Any, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds per Store of new prefixes (every block new), inline slices and through an arena,
+    interleaved so that both see the same machine; the first shm store maps its arena (not timed)."""
+    shm.store(np.arange(kv.shape[3]) + 60_000, kv, model=MODEL)
+    inline: list[float] = []
+    shared: list[float] = []
+    for i in range(repeats):
+        for client, times in ((plain, inline), (shm, shared)):
+            tokens = np.random.default_rng(1000 + 2 * i + (times is shared)).integers(0, 49152, kv.shape[3])
+            t0 = time.perf_counter()
+            client.store(tokens, kv, model=MODEL)
+            times.append(time.perf_counter() - t0)
+    return inline, shared
 
 
 def _load_into(client: KVClient, tokens: Any, out: Any) -> float:

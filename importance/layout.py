@@ -40,8 +40,12 @@ class ChunkRanking(NamedTuple):
     values: np.ndarray[Any, Any]
 
 
+ChunkTokens = int | Sequence[int]
+"""Tokens per chunk: one size for every block, or one per block (blocks of different layouts)."""
+
+
 def rank_chunks(
-    slot_scores: Sequence[np.ndarray[Any, Any]], chunk_tokens: int, *, normalise: bool = False
+    slot_scores: Sequence[np.ndarray[Any, Any]], chunk_tokens: ChunkTokens, *, normalise: bool = False
 ) -> ChunkRanking:
     """Rank the chunks of the matched blocks by their tokens' current scores.
 
@@ -54,15 +58,20 @@ def rank_chunks(
     budget evenly, each reading its leading chunks.
     """
     rows: list[tuple[int, int, int, float]] = []
-    for b, raw in enumerate(slot_scores):
+    sizes = (
+        [int(chunk_tokens)] * len(slot_scores)
+        if isinstance(chunk_tokens, int | np.integer)
+        else list(chunk_tokens)
+    )
+    for b, (raw, size) in enumerate(zip(slot_scores, sizes, strict=True)):
         s = np.asarray(raw, dtype=np.float64)
         if normalise:
             s = np.clip(s, 0.0, None)
             total = s.sum()
             s = (s / total if total > 0 else np.full(len(s), 1.0 / max(1, len(s)))) / len(slot_scores)
-        for c in range(0, len(s), chunk_tokens):
-            part = s[c : c + chunk_tokens]
-            rows.append((b, c // chunk_tokens, len(part), float(part.sum() if normalise else part.mean())))
+        for c in range(0, len(s), size):
+            part = s[c : c + size]
+            rows.append((b, c // size, len(part), float(part.sum() if normalise else part.mean())))
     table = np.array(rows, dtype=np.float64).reshape(-1, 4)
     order = np.lexsort((table[:, 0], table[:, 1], -table[:, 3]))
     table = table[order]
@@ -93,14 +102,14 @@ def _chunks_within(sizes: np.ndarray[Any, Any], budget_tokens: int) -> int:
 
 
 def select_chunks(
-    slot_scores: Sequence[np.ndarray[Any, Any]], budget_tokens: int, chunk_tokens: int
+    slot_scores: Sequence[np.ndarray[Any, Any]], budget_tokens: int, chunk_tokens: ChunkTokens
 ) -> list[BlockSelection]:
     """Whole chunks, best mean score first, until they hold `budget_tokens` tokens.
 
     Args:
         slot_scores: per block, the score of each stored slot (in stored order).
         budget_tokens: tokens to deliver over all blocks.
-        chunk_tokens: tokens per chunk.
+        chunk_tokens: tokens per chunk (or per block, a size for each).
 
     Returns:
         Per block, the chunks to read. Their tokens total at most `budget_tokens`
@@ -121,7 +130,7 @@ class CoverageSelection(NamedTuple):
 
 def select_by_coverage(
     slot_scores: Sequence[np.ndarray[Any, Any]],
-    chunk_tokens: int,
+    chunk_tokens: ChunkTokens,
     coverage: float,
     min_tokens: int,
     max_tokens: int,

@@ -138,6 +138,11 @@ def _relayout_flags(p: argparse.ArgumentParser) -> None:
                    help=f"top share that defines a layout ({fraction})")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="report what would be rewritten; write nothing")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    layer_chunk = parameter_default(relayout, "layer_chunk_tokens")
+    p.add_argument("--to-layered", action="store_true",
+                   help="migrate importance-layout blocks to the layered layout")  # fmt: skip
+    p.add_argument("--layer-chunk-tokens", type=int, default=layer_chunk,
+                   help=f"tokens per per-layer chunk of migrated blocks ({layer_chunk})")  # fmt: skip
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -207,6 +212,8 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
         print(f"nothing can be repaired in place: restore {args.data_dir} or move it aside to start empty")
         return report.exit_code
     print(f"checked {report.blocks_checked} blocks, {report.chunks_checked} chunks")
+    if report.layouts:
+        print("layouts: " + ", ".join(f"{n} {kind}" for kind, n in sorted(report.layouts.items())))
     for problem in report.problems:
         print(f"  {problem.kind:14} {problem.key}  {problem.detail}")
     if report.clean:
@@ -224,9 +231,20 @@ def _cmd_relayout(args: argparse.Namespace) -> int:
     from kvstore.relayout import relayout
 
     show = sys.stderr.isatty() and not args.json
-    report = relayout(args.data_dir, args.min_change, args.fraction, args.dry_run, progress=show)
+    report = relayout(
+        args.data_dir, args.min_change, args.fraction, args.dry_run, progress=show,
+        to_layered=args.to_layered, layer_chunk_tokens=args.layer_chunk_tokens,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(asdict(report)))
+        return 0
+    if args.to_layered:
+        verb = "would migrate" if report.dry_run else "migrated"
+        print(
+            f"examined {report.blocks_examined} blocks; {verb} {report.blocks_migrated} to the layered "
+            f"layout ({report.layered_blocks_skipped} already layered), "
+            f"{report.bytes_written / 1e6:.1f} MB written"
+        )
         return 0
     verb = "would rewrite" if report.dry_run else "rewrote"
     print(

@@ -23,8 +23,10 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
 from kvstore.budget import Budget, budget_to_fields, resolve_budget
 from kvstore.client_arenas import ArenaPool, ClientArena
+from kvstore.client_layers import EmptyLayeredLoad, RemoteLayeredLoad
 from kvstore.client_stream import RemoteLoadStream as RemoteLoadStream  # re-export
 from kvstore.client_stream import domain_error
+from kvstore.errors import NotFoundError
 from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
 from kvstore.keys import as_token_array, validate_namespace
 from kvstore.model import ModelSpec
@@ -39,6 +41,8 @@ from kvstore.transport import channel_options, is_loopback
 from kvstore.wire import ctx_to_pb, kv_bytes, stats_from_pb
 
 Array = np.ndarray[Any, Any]
+# Below this, a Store's KV goes as slices: CreateArena and the pool cost more than the copies.
+_SHM_STORE_MIN_BYTES = 64 << 10
 
 
 class KVClient:
@@ -104,6 +108,10 @@ class KVClient:
         header = pb.StoreHeader(ctx=_ctx(model, namespace), tokens=toks, kv_start=kv_start)
         if scores is not None:
             header.scores.extend(scores.tolist())
+        if self._shm and kv.nbytes >= _SHM_STORE_MIN_BYTES:
+            through_arena = self._store_through_arena(header, kv, namespace)
+            if through_arena is not None:
+                return through_arena
         step = max(1, self._slice_bytes // max(1, model.token_bytes))
 
         def requests() -> Iterator[pb.StoreRequest]:
@@ -117,6 +125,34 @@ class KVClient:
                 )
 
         reply = self._call(self._stub.Store, requests())
+        return StoreResult(reply.num_tokens, reply.new_blocks, reply.bytes_written)
+
+    def _store_through_arena(self, header: pb.StoreHeader, kv: Array, namespace: str) -> StoreResult | None:
+        """Store with the KV written into an arena (one copy each side); None: send slices instead."""
+        self._release_orphans()
+        arena = self._arenas.take(namespace, kv.nbytes)
+        if arena is None:
+            return None
+        if not arena.writable:  # an older server: it reads Stores as slices only
+            self._arenas.give(arena)
+            return None
+        view = np.frombuffer(arena.buf, kv.dtype, kv.size).reshape(kv.shape)
+        view[...] = kv
+        del view  # no export may outlive the write: the pool may unmap the arena
+        header.arena_id = arena.arena_id
+        try:
+            reply = self._stub.Store(
+                iter([pb.StoreRequest(header=header)]), timeout=self._timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            error = domain_error(exc)
+            if isinstance(error, NotFoundError):  # swept or busy there: slices instead
+                self._arenas.discard(arena)
+                header.arena_id = ""
+                return None
+            self._arenas.give(arena)
+            raise error from None
+        self._arenas.give(arena)
         return StoreResult(reply.num_tokens, reply.new_blocks, reply.bytes_written)
 
     def load(
@@ -146,6 +182,23 @@ class KVClient:
         except BaseException:
             if arena is not None:
                 self._arenas.discard(arena)
+            raise
+
+    def open_layers(
+        self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> RemoteLayeredLoad | EmptyLayeredLoad:
+        """One LoadLayers stream (kvstore/client_layers.py); matched 0 from a server without it."""
+        toks = _tokens(tokens)
+        request = pb.LayersOpen(ctx=_ctx(model, namespace), tokens_u32le=toks.astype("<u4").tobytes())
+
+        def start(requests: Any) -> Any:
+            return self._stub.LoadLayers(requests, timeout=self._timeout, metadata=self._metadata)
+
+        try:
+            return RemoteLayeredLoad(start, request, model)
+        except RpcFailedError as exc:
+            if exc.code == grpc.StatusCode.UNIMPLEMENTED:  # an older server: no layer-by-layer loads
+                return EmptyLayeredLoad(model)
             raise
 
     def load_arrays(self, tokens: Tokens, **kwargs: Any) -> tuple[int, Array, Array]:
@@ -195,12 +248,12 @@ class KVClient:
             return None  # over a limit, or out of memory there: this load goes inline
         ref = shm.ArenaRef(reply.server_pid, reply.fd, reply.nbytes, reply.inode)
         try:
-            buf = shm.map_arena(ref)
+            buf = shm.map_arena(ref, writable=reply.accepts_store)
         except OSError:  # another host, pid namespace or uid: inline from now on
             self._shm = False
             self._release_segment(reply.arena_id, namespace)
             return None
-        return ClientArena(reply.arena_id, namespace, buf)
+        return ClientArena(reply.arena_id, namespace, buf, reply.accepts_store)
 
     def _set_tokens(self, request: Any, toks: Array) -> None:
         """Tokens packed (one bytes field); repeated too until the server said it reads them."""

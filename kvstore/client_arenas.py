@@ -1,8 +1,9 @@
 """The client's shared-memory arenas: server memory mapped here, lent to one load at a time.
 
-A co-located `KVClient` asks the server for an arena (a sealed memfd), maps it
-read-only, and names it in each Load; the server writes the chunks' KV there and
-sends only their slots, so a load costs no copy on either side.
+A co-located `KVClient` asks the server for an arena (a sealed memfd), maps it,
+and names it in each Load; the server writes the chunks' KV there and sends only
+their slots, so a load costs no copy on either side. A Store goes the other way:
+the client writes the KV into an arena and the server copies it out once.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ Array = np.ndarray[Any, Any]
 
 @dataclass
 class ClientArena:
-    """A server arena mapped read-only here, lent to one load at a time."""
+    """A server arena mapped here, lent to one load or store at a time.
+
+    `writable`: mapped read-write, because the server takes Stores through it.
+    """
 
     arena_id: str
     namespace: str
     buf: mmap.mmap
+    writable: bool = False
 
     def unmap(self) -> None:
         """Unmap, unless numpy views still use it (then the GC unmaps later)."""

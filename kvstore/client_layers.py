@@ -1,9 +1,11 @@
-"""RemoteLayeredLoad: the client's side of one LoadLayers stream (kvstore.api.LayeredLoad).
+"""The sidecar client's `LayeredLoad`s: one LoadLayers stream, or an empty load.
 
-The stream is a conversation (kvstore/server/layers.py): requests go through a
+`RemoteLayeredLoad` is the client's side of one LoadLayers stream (the server's is
+kvstore/server/layers.py). The stream is a conversation: requests go through a
 queue that gRPC drains on its own thread, and every request gets one answer, read
 in the caller's thread. Inputs are checked here before anything is sent, so a bad
-layer or chunk index costs no round trip.
+layer or chunk index costs no round trip. `EmptyLayeredLoad` answers for a server
+that predates LoadLayers (matched 0: the caller falls back to `load`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class RemoteLayeredLoad:
     """`kvstore.api.LayeredLoad` of a sidecar. One caller thread at a time; close it when done."""
 
     def __init__(self, start: Callable[[Any], Any], open_request: pb.LayersOpen, model: ModelSpec) -> None:
-        """Open the stream: `start(request_iterator)` starts the call (KVClient adds metadata and deadline)."""
+        """Open the stream; `start(request_iterator)` makes the call (with metadata and deadline)."""
         self._model = model
         self._requests: queue.SimpleQueue[pb.LayersRequest | None] = queue.SimpleQueue()
         self._requests.put(pb.LayersRequest(open=open_request))
@@ -74,7 +76,9 @@ class RemoteLayeredLoad:
         wanted = np.asarray(list(chunks), dtype=np.int64)
         count = -(-self.matched_tokens // self.chunk_tokens) if self.chunk_tokens else 0
         if len(wanted) and (wanted.min() < 0 or wanted.max() >= count or np.any(np.diff(wanted) <= 0)):
-            raise InvalidInputError(f"chunks must be ascending, distinct indices in [0, {count}), got {chunks!r}")
+            raise InvalidInputError(
+                f"chunks must be ascending, distinct indices in [0, {count}), got {chunks!r}"
+            )
         answer = self._ask(pb.LayerRead(layer=layer, chunks_u32le=wanted.astype("<u4").tobytes()), "data")
         positions = np.frombuffer(answer.data.positions_u32le, "<u4").astype(np.int64)
         m = self._model
@@ -134,3 +138,59 @@ def summary_from_pb(summary: pb.LayerSummary) -> LowBitKeys:
     low = np.frombuffer(summary.low_f16, "<f2").reshape(heads, groups, dim).astype(np.float16)
     step = np.frombuffer(summary.step_f16, "<f2").reshape(heads, groups, dim).astype(np.float16)
     return LowBitKeys(codes, low, step, summary.bits, summary.group_tokens)
+
+
+class EmptyLayeredLoad:
+    """A `kvstore.api.LayeredLoad` that matched nothing: every read is out of range.
+
+    Args:
+        model: the model the load was opened for (its layer count).
+        chunk_tokens: tokens per per-layer chunk to report (the store's setting if known).
+    """
+
+    def __init__(self, model: ModelSpec, chunk_tokens: int = 8) -> None:
+        self.matched_tokens = 0
+        self.chunk_tokens = chunk_tokens
+        self.num_layers = model.num_layers
+        self.prefix_bytes = self.summary_bytes = self.bytes_read = self.delivered_tokens = 0
+        self._model = model
+
+    @property
+    def delivered_fraction(self) -> float:
+        """Always 0.0: nothing matched."""
+        return 0.0
+
+    @property
+    def read_fraction(self) -> float:
+        """Always 0.0: nothing matched."""
+        return 0.0
+
+    def key_summary(self, layer: int) -> Array:
+        """An empty (kv_heads, 0, head_dim) float32 array; InvalidInputError for a bad layer."""
+        self._check_layer(layer)
+        return np.zeros((self._model.num_kv_heads, 0, self._model.head_dim), np.float32)
+
+    def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
+        """Nothing to read: InvalidInputError for a bad layer or any chunk index."""
+        self._check_layer(layer)
+        if len(chunks):
+            raise InvalidInputError(f"chunks must be integers in [0, 0), got {next(iter(chunks))!r}")
+        shape = (2, self._model.num_kv_heads, 0, self._model.head_dim)
+        return LayerSlice(np.zeros(0, np.int64), np.zeros(shape, self._model.np_dtype))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> EmptyLayeredLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_layer(self, layer: int) -> None:
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int | np.integer)
+            or not 0 <= layer < self.num_layers
+        ):
+            raise InvalidInputError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")

@@ -136,7 +136,8 @@ class RemoteLoadStream:
         self._by_position = header.shm_by_position
         if self._arena is not None:
             if header.shm:
-                self._dense = shm.dense_view(self._arena.buf, self._model)  # read-only mapping
+                self._dense = shm.dense_view(self._arena.buf, self._model)
+                self._dense.flags.writeable = False  # the mapping may be writable (Stores): views are not
             else:
                 self._drop_arena()
 

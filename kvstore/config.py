@@ -11,6 +11,8 @@ from kvstore.errors import InvalidInputError
 
 #: The file LMDB keeps its data in, inside its environment directory.
 LMDB_DATA_FILE = "data.mdb"
+#: Block layouts a store can write (kvstore.meta.BlockMeta.layout records which one a block has).
+LAYOUTS = ("importance", "layered")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class StoreConfig:
         score_half_life_reports: reported query scores halve in weight after this many reports.
         memory_policy: what leaves memory first: "score" (lowest access frequency x importance
             mass) or "lru".
+        layout: how new blocks are laid out: "importance" (chunks of chunk_tokens in
+            descending score order) or "layered" (per layer, chunks of layer_chunk_tokens in
+            prompt order plus a 2-bit key summary per layer; docs/importance.md).
+        layer_chunk_tokens: tokens per per-layer chunk of the layered layout (divides block_tokens).
     """
 
     data_dir: Path | None = None
@@ -63,6 +69,8 @@ class StoreConfig:
     pin_host_memory: bool = True
     score_half_life_reports: float = 64.0
     memory_policy: str = "score"
+    layout: str = "importance"
+    layer_chunk_tokens: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:
@@ -86,9 +94,19 @@ class StoreConfig:
             raise InvalidInputError(
                 f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"
             )
+        self._check_layout()
         self._check_remote()
         if self.data_dir is None and not self.has_remote and self.memory_bytes == 0:
             raise InvalidInputError("memory_bytes must be > 0 when there is no data_dir nor remote_url")
+
+    def _check_layout(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise InvalidInputError(f"layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        c, b = self.layer_chunk_tokens, self.block_tokens
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= b or b % c:
+            raise InvalidInputError(
+                f"layer_chunk_tokens must be an integer dividing block_tokens ({b}), got {c!r}"
+            )
 
     def _check_remote(self) -> None:
         nodes = (self.remote_nodes.split(",") if isinstance(self.remote_nodes, str)

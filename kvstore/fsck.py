@@ -33,6 +33,7 @@ from kvstore.keys import ROOT_KEY, parse_chunk_key
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.progress import progress_bar
+from kvstore.summary import decode_summary
 from kvstore.tiers.lmdb import LmdbTier
 
 EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3
@@ -58,10 +59,13 @@ class FsckReport:
     """Outcome of `fsck`. `clean` means the store was read and no problem was found.
 
     `unreadable` says why the store could not be read at all (then nothing was checked).
+    `layouts` counts the blocks checked per layout kind ("importance", "layered");
+    `chunks_checked` counts records (a layered block's summaries included).
     """
 
     blocks_checked: int = 0
     chunks_checked: int = 0
+    layouts: dict[str, int] = field(default_factory=dict)
     problems: list[FsckProblem] = field(default_factory=list)
     blocks_removed: int = 0
     chunks_removed: int = 0
@@ -163,6 +167,7 @@ def _check(tier: LmdbTier, repair: bool, progress: bool) -> FsckReport:
     report.problems += [FsckProblem(k.hex(), "bad-metadata", m) for k, m in records if isinstance(m, str)]
     for meta in progress_bar(metas.values(), progress, "fsck", len(metas)):
         report.blocks_checked += 1
+        report.layouts[meta.layout] = report.layouts.get(meta.layout, 0) + 1
         found = _check_block(tier, meta)
         report.chunks_checked += meta.num_chunks
         report.problems += found
@@ -195,10 +200,12 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
             continue
         total += len(data)
         expect = meta.chunk_id(index)
+        summary = meta.is_layered and index < meta.num_layers  # kvstore/layered_blocks.py
         try:
-            decode_chunk(data, expect)
+            decode_summary(data, expect) if summary else decode_chunk(data, expect)
         except ChecksumError as exc:
-            problems.append(FsckProblem(meta.key.hex(), "bad-chunk", f"chunk {index}: {exc}"))
+            what = f"summary {index} (layer {index})" if summary else f"chunk {index}"
+            problems.append(FsckProblem(meta.key.hex(), "bad-chunk", f"{what}: {exc}"))
     if not problems and total != meta.nbytes:
         problems.append(
             FsckProblem(meta.key.hex(), "size-mismatch", f"{total} B stored, {meta.nbytes} B recorded")

@@ -154,7 +154,7 @@ class StoreIndex:
         """
         metas: list[BlockMeta] = [n.payload for n in match.nodes]
         slot_scores = [_slot_scores(m) for m in metas]
-        chunk = self._config.chunk_tokens
+        chunk = [m.chunk_tokens for m in metas]  # a layered block selects its smaller chunks
         n = match.num_tokens
         if isinstance(budget, AutoBudget):
             low, high = (budget_to_tokens(f, n) for f in (budget.min_fraction, budget.max_fraction))
@@ -260,7 +260,9 @@ class StoreIndex:
         self._memory.delete_block(meta.key)
 
 
-def _mass_share(slot_scores: Sequence[np.ndarray], selection: Sequence[BlockSelection], chunk: int) -> float:
+def _mass_share(
+    slot_scores: Sequence[np.ndarray], selection: Sequence[BlockSelection], chunk: Sequence[int]
+) -> float:
     """Share of the estimated attention mass (see importance.layout.rank_chunks) selected."""
     if not slot_scores:
         return 1.0

@@ -27,6 +27,7 @@ _CHECKSUM = struct.Struct("<Q")
 _MAGIC = b"KVSM"
 _VERSION = 2  # written; 1 (no checksum) is still read
 _READABLE_VERSIONS = (1, 2)
+IMPORTANCE, LAYERED = "importance", "layered"  # the layout kinds (kvstore.config.LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class BlockMeta:
         nbytes: encoded bytes of all chunks of the block.
         created: unix time the block was stored.
         namespace_name: the namespace in clear (kept for stats and fsck reports).
+        layout: "importance" (chunks of all layers in `permutation` order) or "layered"
+            (per layer, a key summary and chunks in prompt order; see `record_index`).
+            Kept in the record's JSON extras; records without it are "importance".
+        num_layers: model layers of a layered block (0 for the importance layout).
     """
 
     key: bytes
@@ -62,6 +67,8 @@ class BlockMeta:
     nbytes: int
     created: float
     namespace_name: str = ""
+    layout: str = IMPORTANCE
+    num_layers: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -69,9 +76,31 @@ class BlockMeta:
         return len(self.tokens)
 
     @property
-    def num_chunks(self) -> int:
-        """Chunks in the block."""
+    def is_layered(self) -> bool:
+        """Stored in the layered layout."""
+        return self.layout == LAYERED
+
+    @property
+    def chunks_per_layer(self) -> int:
+        """Chunks of `chunk_tokens` tokens in the block: the selectable units of a load."""
         return -(-self.num_tokens // self.chunk_tokens)
+
+    @property
+    def num_chunks(self) -> int:
+        """Records in the block: its chunks, or for a layered block summaries and per-layer chunks."""
+        if self.is_layered:
+            return self.num_layers * (1 + self.chunks_per_layer)
+        return self.chunks_per_layer
+
+    def record_index(self, layer: int, chunk: int | None = None) -> int:
+        """Record index of a layered block's summary of `layer` (chunk None) or of its chunk `chunk`.
+
+        Summaries come first (index = layer), then each layer's chunks, adjacent on disk:
+        index = num_layers + layer * chunks_per_layer + chunk.
+        """
+        if chunk is None:
+            return layer
+        return self.num_layers + layer * self.chunks_per_layer + chunk
 
     @property
     def start(self) -> int:
@@ -79,7 +108,15 @@ class BlockMeta:
         return self.depth * self.num_tokens
 
     def chunk_offsets(self, chunk_index: int) -> np.ndarray[Any, Any]:
-        """Offsets within the block of the tokens stored in chunk `chunk_index`."""
+        """Offsets within the block of the tokens stored in chunk `chunk_index`.
+
+        For a layered block, `chunk_index` is a record index: a summary covers every
+        offset, a per-layer chunk its prompt-order run.
+        """
+        if self.is_layered:
+            if chunk_index < self.num_layers:
+                return np.arange(self.num_tokens, dtype=np.int64)
+            chunk_index = (chunk_index - self.num_layers) % self.chunks_per_layer
         lo = chunk_index * self.chunk_tokens
         return self.permutation[lo : lo + self.chunk_tokens]
 
@@ -97,7 +134,10 @@ class BlockMeta:
 
         `version=1` writes the old record without a checksum (tests of backward reading).
         """
-        extras = json.dumps({"namespace_name": self.namespace_name}).encode()
+        fields: dict[str, Any] = {"namespace_name": self.namespace_name}
+        if self.is_layered:  # absent for the importance layout: its records stay as before
+            fields |= {"layout": self.layout, "layers": self.num_layers}
+        extras = json.dumps(fields).encode()
         has_scores = self.scores is not None
         fixed = _FIXED.pack(
             _MAGIC, version, self.key, self.parent, self.fingerprint,
@@ -143,6 +183,7 @@ class BlockMeta:
             extras = json.loads(buf[off : off + extras_len])
             if not isinstance(extras, dict):
                 raise ValueError(f"extras are {type(extras).__name__}, not an object")
+            kind, layers = str(extras.get("layout", IMPORTANCE)), int(extras.get("layers", 0))
             off += extras_len
             tokens = np.frombuffer(buf, dtype="<u4", count=n, offset=off).astype(np.uint32)
             off += 4 * n
@@ -152,13 +193,13 @@ class BlockMeta:
             if has_scores:
                 scores = np.frombuffer(buf, dtype="<f4", count=n, offset=off).astype(np.float32)
                 off += 4 * n
-        except (struct.error, ValueError, IndexError) as exc:
+        except (struct.error, ValueError, TypeError, IndexError) as exc:
             raise ChecksumError(f"malformed block metadata: {exc}") from exc
         if off != len(buf):
             raise ChecksumError("block metadata has trailing bytes")
         return cls(
             key, parent, fp, namespace, depth, tokens, chunk_tokens, layout, perm, scores,
-            nbytes, created, extras.get("namespace_name", ""),
+            nbytes, created, extras.get("namespace_name", ""), kind, layers,
         )  # fmt: skip
 
 
@@ -190,7 +231,23 @@ def identity_error(meta: BlockMeta) -> str | None:
         return "key is not the hash of its parent, tokens, fingerprint and namespace"
     if (meta.depth == 0) != (meta.parent == ROOT_KEY):
         return f"depth {meta.depth} does not match its parent {meta.parent.hex()}"
+    layered = _layered_error(meta)
+    if layered is not None:
+        return layered
     perm = np.asarray(meta.permutation)
     if perm.shape != (meta.num_tokens,) or not np.array_equal(np.sort(perm), np.arange(meta.num_tokens)):
         return "permutation is not an ordering of the block's tokens"
+    return None
+
+
+def _layered_error(meta: BlockMeta) -> str | None:
+    """What is wrong with a block's layout kind (a layered block must be in prompt order)."""
+    if meta.layout not in (IMPORTANCE, LAYERED):
+        return f"unknown layout {meta.layout!r}"
+    if not meta.is_layered:
+        return None
+    if meta.num_layers < 1 or meta.num_tokens % meta.chunk_tokens:
+        return f"layered block with {meta.num_layers} layers and {meta.chunk_tokens}-token chunks"
+    if not np.array_equal(np.asarray(meta.permutation), np.arange(meta.num_tokens)):
+        return "a layered block is not in prompt order"
     return None

@@ -13,15 +13,19 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
+
 from importance.layout import importance_order
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk, reencode_raw
+from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
-from kvstore.errors import ChecksumError, KVSieveError, StoreFullError, TierFullError
+from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, StoreFullError, TierFullError
 from kvstore.index import LoadPlan, StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
-from kvstore.meta import BlockMeta
+from kvstore.layered_blocks import encode_layered, join_layers, memory_record, stored_records
+from kvstore.meta import LAYERED, BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.results import Array, LoadedChunk
 from kvstore.stats import Counters
@@ -34,6 +38,7 @@ if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote ti
     from kvstore.tiers.lmdb import LmdbTier
 
 NewBlock = tuple[BlockMeta, list[bytes]]
+MAX_RECORDS = 65535  # records per block: chunk indices are u16 in chunk keys (docs/keys.md)
 
 
 class BlockMover:
@@ -83,7 +88,7 @@ class BlockMover:
             self._put_durable(tier, blocks, needed)
             self._counters.add(f"bytes_written.{tier.name}", needed)
         raw = self._config.codec == "raw"  # memory holds raw chunks: no zstd on the hot path
-        in_memory = [(m, c if raw else [reencode_raw(x, model.dtype) for x in c]) for m, c in blocks]
+        in_memory = [(m, c if raw else [memory_record(x, model.dtype) for x in c]) for m, c in blocks]
         if not self.local_durable:  # memory is the only local copy: make room for all, or fail now
             self._index.reserve_memory(sum(len(x) for _, c in in_memory for x in c))
         for meta, chunks in in_memory:
@@ -122,15 +127,28 @@ class BlockMover:
             yield chunks
 
     def _read_block(
-        self, meta: BlockMeta, block_index: int, indices: list[int], prefetch: _Prefetch
+        self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch
     ) -> list[LoadedChunk] | None:
+        """The planned units of a block: its chunks, or a layered block's chunks of every layer."""
+        chunks = self.read_records(meta, block_index, stored_records(meta, units), prefetch)
+        if chunks is None or not meta.is_layered:
+            return chunks
+        return join_layers(meta, block_index, units, chunks)
+
+    def read_records(
+        self, meta: BlockMeta, block_index: int, indices: list[int], prefetch: _Prefetch | None = None
+    ) -> list[LoadedChunk] | None:
+        """Chunk records `indices` of a block, fastest tier first, verified and promoted to memory.
+
+        Returns None if one is in no tier. Raises ChecksumError if a local one is corrupt.
+        """
         found: dict[int, LoadedChunk] = {}
         tally: Counter[str] = Counter()
         for index, data in zip(indices, self.memory.get_chunks(meta, indices), strict=True):
             if data is not None:
                 found[index] = self._decode(meta, block_index, index, data, self.memory.name, tally)
         self._index.touch_memory(meta, found)
-        if len(found) < len(indices):
+        if len(found) < len(indices) and prefetch is not None:
             prefetch.start(block_index)
         for tier in self.durable:
             missing = [i for i in indices if i not in found]
@@ -217,6 +235,10 @@ class BlockMover:
         start = index * b
         local = start - kv_start  # where the block starts in `kv` and `scores`
         block_scores = None if scores is None else scores[local : local + b]
+        if self._config.layout == LAYERED:
+            return self._encode_layered(
+                toks, kv[:, :, :, local : local + b], block_scores, keys, index, model, root, namespace
+            )
         perm = importance_order(block_scores, b)
         ns = root[0]  # the namespace digest
         chunks = []
@@ -235,6 +257,27 @@ class BlockMover:
             c, 0, perm, block_scores, sum(len(x) for x in chunks), time.time(), namespace,
         )  # fmt: skip
         return meta, chunks
+
+    def _encode_layered(
+        self, toks: Array, block_kv: Array, block_scores: Array | None, keys: list[bytes], index: int,
+        model: ModelSpec, root: Root, namespace: str,
+    ) -> NewBlock:  # fmt: skip
+        """A block in the layered layout (kvstore/layered_blocks.py): prompt order, scores kept."""
+        b, c = self._config.block_tokens, self._config.layer_chunk_tokens
+        if model.num_layers * (1 + b // c) > MAX_RECORDS:  # record indices are u16 in chunk keys
+            raise InvalidInputError(
+                f"layer_chunk_tokens {c} gives {model.num_layers * (1 + b // c)} records per block of "
+                f"{model.name}, more than {MAX_RECORDS}: use larger chunks"
+            )
+        parent = keys[index - 1] if index else ROOT_KEY
+        meta = BlockMeta(
+            keys[index], parent, model.fingerprint, root[0], index, toks[index * b : (index + 1) * b].copy(),
+            c, 0, np.arange(b, dtype=np.int64), block_scores, 0, time.time(), namespace, LAYERED,
+            model.num_layers,
+        )  # fmt: skip
+        cfg = self._config
+        records = encode_layered(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
+        return replace(meta, nbytes=sum(len(x) for x in records)), records
 
     def _put_durable(self, tier: Tier, blocks: list[NewBlock], needed: int) -> None:
         usage = tier.usage()
@@ -269,6 +312,9 @@ class _Prefetch:
         plan, self._plan = self._plan, None
         if plan is None or len(plan.blocks) - block_index < 2:  # one block: nothing to overlap
             return
-        rest = list(zip(plan.blocks[block_index:], plan.chunks[block_index:], strict=True))
+        rest = [
+            (meta, stored_records(meta, units))
+            for meta, units in zip(plan.blocks[block_index:], plan.chunks[block_index:], strict=True)
+        ]
         for tier in self._tiers:
             tier.prefetch(rest)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,15 +34,21 @@ from kvstore.codec import decode_chunk, encode_chunk
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
 from kvstore.keys import parse_chunk_key
+from kvstore.layered_blocks import encode_layered
 from kvstore.lock import DataDirLock
-from kvstore.meta import BlockMeta
+from kvstore.meta import LAYERED, BlockMeta
 from kvstore.progress import progress_bar
 from kvstore.tiers.lmdb import LmdbTier
 
 
 @dataclass
 class RelayoutReport:
-    """What the job found and did. Read amplification is the expected value at `fraction`."""
+    """What the job found and did. Read amplification is the expected value at `fraction`.
+
+    Layered blocks are never re-ordered (prompt order is their layout): they are counted
+    in `layered_blocks_skipped`. `blocks_migrated` counts importance-layout blocks that
+    `to_layered` rewrote in the layered layout.
+    """
 
     blocks_examined: int = 0
     blocks_scored: int = 0
@@ -50,6 +56,8 @@ class RelayoutReport:
     bytes_written: int = 0
     stale_chunks_removed: int = 0
     corrupt_blocks_skipped: int = 0
+    layered_blocks_skipped: int = 0
+    blocks_migrated: int = 0
     read_amp_before: float = 1.0
     read_amp_after: float = 1.0
     dry_run: bool = False
@@ -61,17 +69,27 @@ def relayout(
     fraction: float = 0.25,
     dry_run: bool = False,
     progress: bool = False,
+    to_layered: bool = False,
+    layer_chunk_tokens: int = 8,
 ) -> RelayoutReport:
-    """Run the job over `data_dir` (see module docstring). Raises DataDirBusyError if in use."""
+    """Run the job over `data_dir` (see module docstring). Raises DataDirBusyError if in use.
+
+    With `to_layered`, every importance-layout block is instead migrated to the layered
+    layout (per-layer chunks of `layer_chunk_tokens`, key summaries), crash-safe the same way.
+    """
     if not 0.0 <= min_change <= 1.0:
         raise ValueError(f"min_change must be in [0, 1], got {min_change}")
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if not 1 <= layer_chunk_tokens <= 65535:
+        raise ValueError(f"layer_chunk_tokens must be in [1, 65535], got {layer_chunk_tokens}")
     if not store_data_file(data_dir).exists():
         raise FileNotFoundError(f"no kvsieve store under {data_dir} (expected {store_data_file(data_dir)})")
     with DataDirLock(data_dir, exclusive=True, purpose="relayout"):
         tier = LmdbTier(store_lmdb_dir(data_dir))
         try:
+            if to_layered:
+                return _migrate(tier, layer_chunk_tokens, dry_run, progress)
             return _run(tier, min_change, fraction, dry_run, progress)
         finally:
             tier.close()
@@ -85,6 +103,9 @@ def _run(tier: LmdbTier, min_change: float, fraction: float, dry_run: bool, prog
     read_before = read_after = wanted = 0
     for meta in progress_bar(metas, progress, "relayout"):
         report.blocks_examined += 1
+        if meta.is_layered:
+            report.layered_blocks_skipped += 1
+            continue
         if meta.scores is None:
             continue
         report.blocks_scored += 1
@@ -112,8 +133,9 @@ def _run(tier: LmdbTier, min_change: float, fraction: float, dry_run: bool, prog
     return report
 
 
-def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | None:
-    """Write `meta`'s block in the order `new_perm`; None if its chunks are corrupt (fsck's job)."""
+def _read_block_kv(tier: LmdbTier, meta: BlockMeta) -> tuple[np.ndarray, str] | None:
+    """An importance-layout block's KV in prompt order and its codec; None if a chunk is
+    missing or corrupt (fsck's job)."""
     indices = list(range(meta.num_chunks))
     block_kv = None
     codec = "raw"
@@ -131,6 +153,16 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
     except ChecksumError:
         return None
     assert block_kv is not None
+    return block_kv, codec
+
+
+def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | None:
+    """Write `meta`'s block in the order `new_perm`; None if its chunks are corrupt (fsck's job)."""
+    read = _read_block_kv(tier, meta)
+    if read is None:
+        return None
+    block_kv, codec = read
+    indices = list(range(meta.num_chunks))
     version = meta.layout_version + 1
     dtype = block_kv.dtype.name  # "float16" | "bfloat16" (ml_dtypes) | "float32"
     chunks = []
@@ -141,6 +173,47 @@ def _rewrite(tier: LmdbTier, meta: BlockMeta, new_perm: np.ndarray) -> int | Non
         chunks.append(encode_chunk(cid, meta.start + offsets, kv, dtype, codec))
     new_meta = meta.with_layout(version, new_perm, sum(len(c) for c in chunks))
     tier.write_layout(meta, new_meta, chunks)
+    _fault_point("relayout-between-transactions")
+    tier.drop_layout(meta)
+    return new_meta.nbytes
+
+
+def _migrate(tier: LmdbTier, chunk_tokens: int, dry_run: bool, progress: bool) -> RelayoutReport:
+    """Rewrite every importance-layout block in the layered layout (module docstring's two steps)."""
+    metas = list(tier.iter_meta())
+    for meta in metas:  # refuse before anything is written
+        if not meta.is_layered and meta.num_tokens % chunk_tokens:
+            raise ValueError(
+                f"layer_chunk_tokens must divide the blocks' {meta.num_tokens} tokens, got {chunk_tokens}"
+            )
+    report = RelayoutReport(dry_run=dry_run)
+    if not dry_run:
+        report.stale_chunks_removed = _sweep_stale_chunks(tier)
+    for meta in progress_bar(metas, progress, "relayout --to-layered"):
+        report.blocks_examined += 1
+        if meta.is_layered:
+            report.layered_blocks_skipped += 1
+            continue
+        read = None if dry_run else _read_block_kv(tier, meta)
+        if read is None and not dry_run:
+            report.corrupt_blocks_skipped += 1
+            continue
+        report.blocks_migrated += 1
+        if read is not None:
+            report.bytes_written += _write_layered(tier, meta, *read, chunk_tokens)
+    return report
+
+
+def _write_layered(
+    tier: LmdbTier, meta: BlockMeta, block_kv: np.ndarray, codec: str, chunk_tokens: int
+) -> int:
+    new_meta = replace(
+        meta, layout=LAYERED, num_layers=block_kv.shape[0], chunk_tokens=chunk_tokens,
+        layout_version=meta.layout_version + 1, permutation=np.arange(meta.num_tokens, dtype=np.int64),
+    )  # fmt: skip
+    records = encode_layered(new_meta, block_kv, block_kv.dtype.name, codec, 1)
+    new_meta = replace(new_meta, nbytes=sum(len(r) for r in records))
+    tier.write_layout(meta, new_meta, records)
     _fault_point("relayout-between-transactions")
     tier.drop_layout(meta)
     return new_meta.nbytes

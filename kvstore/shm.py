@@ -10,9 +10,11 @@ server write anywhere but memory made for it:
   as SIGBUS while the server writes.
 - It is sealed with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: nobody, not even a
   process that opens it read-write, can truncate it under the server's mapping.
-- The client maps it read-only through /proc/<server_pid>/fd/<fd> (the kernel
-  allows that only to a process of the server's uid) and checks its inode, size
-  and seals before use.
+- The client maps it through /proc/<server_pid>/fd/<fd> (the kernel allows that
+  only to a process of the server's uid) and checks its inode, size and seals
+  before use; read-write only where the server takes Stores through it, and the
+  server copies a Store's KV out before reading it (the client could change it
+  at any time, as any process of the same uid could).
 
 The memory is freed when the server closes its fd and the client unmaps.
 """
@@ -93,19 +95,23 @@ class ServerArena:
             self.fd = -1
 
 
-def map_arena(ref: ArenaRef) -> mmap.mmap:
-    """Map a server arena read-only. OSError if it is not reachable or not the expected one.
+def map_arena(ref: ArenaRef, writable: bool = False) -> mmap.mmap:
+    """Map a server arena (read-only unless `writable`). OSError if it is not reachable or
+    not the expected one.
 
     Fails on another host, in another pid namespace, under another uid, or when
     the fd number now names something else (inode, size and seals are checked).
+    Writable is for Stores: the server copies a Store's KV out of the arena before
+    it reads it, so what the client writes there later cannot change what is stored.
     """
-    fd = os.open(ref.path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(ref.path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         if (st.st_ino, st.st_size) != (ref.inode, ref.nbytes) or seals & _SEALS != _SEALS:
             raise OSError(f"{ref.path} is not the sealed arena of {ref.nbytes} B the server named")
-        return mmap.mmap(fd, ref.nbytes, prot=mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, ref.nbytes, prot=prot)
     finally:
         os.close(fd)
 

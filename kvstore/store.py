@@ -28,6 +28,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
+from kvstore.layered import LocalLayeredLoad, open_layered
 from kvstore.leases import LeaseTable
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
@@ -114,7 +115,9 @@ class TieredStore:
 
     @property
     def info(self) -> StoreInfo:
-        return StoreInfo(self.config.block_tokens, self.config.chunk_tokens)
+        layered = self.config.layout == "layered"  # new blocks select chunks of this size
+        chunk = self.config.layer_chunk_tokens if layered else self.config.chunk_tokens
+        return StoreInfo(self.config.block_tokens, chunk)
 
     def lookup(self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> LookupResult:
         match = self._match(self._root(model, namespace), as_token_array(tokens))
@@ -175,6 +178,14 @@ class TieredStore:
         )  # fmt: skip
         self.counters.add("loads")
         return stream
+
+    def open_layers(
+        self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> LocalLayeredLoad:
+        match = self._match(self._root(model, namespace), as_token_array(tokens))
+        return open_layered(
+            self.mover, self.index, match, model, self.config.layer_chunk_tokens, self.counters
+        )
 
     def load_arrays(self, tokens: Tokens, **kwargs: Any) -> tuple[int, Array, Array]:
         """`load`, gathered: (prefix tokens covered, positions (n,), kv (L, 2, H, n, D))."""

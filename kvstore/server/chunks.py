@@ -3,7 +3,7 @@ client's arena), slices in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -99,3 +99,18 @@ def place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, kv_star
     data = kv_from_bytes(part.data, model, part.num_tokens, "slice.data")
     kv[:, :, :, filled : filled + part.num_tokens] = data
     return filled + part.num_tokens
+
+
+async def receive_slices(
+    requests: AsyncIterator[pb.StoreRequest], model: ModelSpec, shape: tuple[int, ...], kv_start: int
+) -> Any:
+    """The KV a Store stream sends as slices after its header, checked to cover every token."""
+    kv = np.empty(shape, model.np_dtype)
+    filled = 0
+    async for message in requests:
+        if message.WhichOneof("part") != "slice":
+            raise InvalidInputError("after the header, a Store stream carries only slices")
+        filled = place_slice(kv, message.slice, filled, kv_start, model)
+    if filled != kv.shape[3]:
+        raise InvalidInputError(f"slices cover {filled} of {kv.shape[3]} tokens; nothing was stored")
+    return kv

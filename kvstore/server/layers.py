@@ -87,12 +87,16 @@ async def _next(requests: AsyncIterator[pb.LayersRequest], idle_s: float) -> pb.
 def _open_tokens(request: pb.LayersOpen, max_tokens: int) -> Array:
     packed = request.tokens_u32le
     if not packed or len(packed) % 4:
-        raise InvalidInputError(f"open.tokens_u32le must be a non-empty run of u32 tokens, got {len(packed)} B")
+        raise InvalidInputError(
+            f"open.tokens_u32le must be a non-empty run of u32 tokens, got {len(packed)} B"
+        )
     check_token_count(len(packed) // 4, max_tokens, "max_lookup_tokens")
     return np.frombuffer(packed, "<u4").astype(np.uint32)
 
 
-def _answer(load: LowBitLayers, read: pb.LayerRead, model: ModelSpec, max_message_bytes: int) -> pb.LayersResponse:
+def _answer(
+    load: LowBitLayers, read: pb.LayerRead, model: ModelSpec, max_message_bytes: int
+) -> pb.LayersResponse:
     if read.summary:
         if read.chunks_u32le:
             raise InvalidInputError("read: a summary request names no chunks")

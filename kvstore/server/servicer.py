@@ -27,7 +27,7 @@ from kvstore.model import ModelSpec
 from kvstore.results import LookupResult
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
-from kvstore.server.chunks import ChunkWriter, place_slice
+from kvstore.server.chunks import ChunkWriter, receive_slices
 from kvstore.server.config import ServerConfig
 from kvstore.server.layers import serve_layers
 from kvstore.server.limits import (
@@ -96,7 +96,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidInputError("a Store stream must start with a header")
             header = first.header
-            model, namespace, _ = self._authorised(context, header.ctx)
+            model, namespace, token = self._authorised(context, header.ctx)
             tokens = tokens_array(header.tokens, self._config.max_store_tokens, "max_store_tokens")
             kv_start = header.kv_start
             if kv_start > len(tokens):
@@ -104,16 +104,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             nbytes = self._store_bytes(model, len(tokens) - kv_start)
             await self._check_namespace_bytes(namespace)
             with self._inflight.reserve(nbytes):  # before the allocation it bounds
-                kv = np.empty(model.kv_shape(len(tokens) - kv_start), model.np_dtype)
-                filled = 0
-                async for message in request_iterator:
-                    if message.WhichOneof("part") != "slice":
-                        raise InvalidInputError("after the header, a Store stream carries only slices")
-                    filled = place_slice(kv, message.slice, filled, kv_start, model)
-                if filled != kv.shape[3]:
-                    raise InvalidInputError(
-                        f"slices cover {filled} of {kv.shape[3]} tokens; nothing was stored"
-                    )
+                shape = model.kv_shape(len(tokens) - kv_start)
+                if header.arena_id:
+                    owner = Owner(token, namespace)
+                    kv = await asyncio.to_thread(self._kv_from_arena, header.arena_id, owner, model, shape)
+                    if await anext(aiter(request_iterator), None) is not None:
+                        raise InvalidInputError("a Store through an arena carries no slices")
+                else:
+                    kv = await receive_slices(request_iterator, model, shape, kv_start)
                 scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
                 result = await asyncio.to_thread(
                     self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
@@ -235,7 +233,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 self.arenas.create, owner, request.nbytes, request.client_pid
             )
             return pb.CreateArenaResponse(
-                arena_id=arena_id, server_pid=ref.pid, fd=ref.fd, nbytes=ref.nbytes, inode=ref.inode
+                arena_id=arena_id,
+                server_pid=ref.pid,
+                fd=ref.fd,
+                nbytes=ref.nbytes,
+                inode=ref.inode,
+                accepts_store=True,
             )
 
     @override
@@ -278,6 +281,23 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             tokens, model=model, namespace=namespace,
             budget=budget_from_fields(request), budget_tokens=request.budget_tokens or None,
         )  # fmt: skip
+
+    def _kv_from_arena(self, arena_id: str, owner: Owner, model: ModelSpec, shape: tuple[int, ...]) -> Any:
+        """A Store's KV, copied out of the caller's arena before anything reads it."""
+        if not self._config.shm:
+            raise NotFoundError("shared memory is disabled on this server: send the KV as slices")
+        arena = self.arenas.acquire(arena_id, owner)  # PermissionDeniedError if not the caller's
+        if arena is None:
+            raise NotFoundError(f"arena {arena_id!r} is unknown or busy: send the KV as slices")
+        try:
+            count = int(np.prod(shape))
+            if len(arena.buf) < count * model.itemsize:
+                raise InvalidInputError(
+                    f"arena {arena_id!r} holds {len(arena.buf)} B, the KV needs {count * model.itemsize} B"
+                )
+            return np.frombuffer(arena.buf, model.np_dtype, count).reshape(shape).copy()
+        finally:
+            self.arenas.done(arena_id)
 
     def _report_scores(self, request: pb.ReportScoresRequest, model: ModelSpec, namespace: str) -> int:
         tokens = self._tokens(request.tokens)

@@ -146,7 +146,9 @@ class LmdbTier:
             for index, data in enumerate(chunks):
                 txn.put(chunk_key(new.key, new.layout_version, index), data, db=self._chunks_db)
             txn.put(new.key, new.to_bytes(), db=self._blocks_db)
-        self._account(new.nbytes - old.nbytes, 0, 0)
+        self._account(
+            new.nbytes - old.nbytes, 0, new.num_chunks - old.num_chunks
+        )  # a migration changes the count
 
     def drop_layout(self, old: BlockMeta) -> None:
         """Second half of a re-layout: delete the chunks of the layout `old`. Mutates."""

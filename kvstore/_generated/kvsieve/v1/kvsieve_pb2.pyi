@@ -57,16 +57,18 @@ class LookupResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., packed_tokens: _Optional[bool] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
-    __slots__ = ("ctx", "tokens", "scores", "kv_start")
+    __slots__ = ("ctx", "tokens", "scores", "kv_start", "arena_id")
     CTX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     KV_START_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     ctx: RequestContext
     tokens: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     kv_start: int
-    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., kv_start: _Optional[int] = ...) -> None: ...
+    arena_id: str
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., kv_start: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
 
 class KVSlice(_message.Message):
     __slots__ = ("start_token", "num_tokens", "data")
@@ -107,18 +109,20 @@ class CreateArenaRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., nbytes: _Optional[int] = ..., client_pid: _Optional[int] = ...) -> None: ...
 
 class CreateArenaResponse(_message.Message):
-    __slots__ = ("arena_id", "server_pid", "fd", "nbytes", "inode")
+    __slots__ = ("arena_id", "server_pid", "fd", "nbytes", "inode", "accepts_store")
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_STORE_FIELD_NUMBER: _ClassVar[int]
     arena_id: str
     server_pid: int
     fd: int
     nbytes: int
     inode: int
-    def __init__(self, arena_id: _Optional[str] = ..., server_pid: _Optional[int] = ..., fd: _Optional[int] = ..., nbytes: _Optional[int] = ..., inode: _Optional[int] = ...) -> None: ...
+    accepts_store: bool
+    def __init__(self, arena_id: _Optional[str] = ..., server_pid: _Optional[int] = ..., fd: _Optional[int] = ..., nbytes: _Optional[int] = ..., inode: _Optional[int] = ..., accepts_store: _Optional[bool] = ...) -> None: ...
 
 class ReleaseSegmentRequest(_message.Message):
     __slots__ = ("shm_name", "namespace", "arena_id")

@@ -1,0 +1,217 @@
+"""The embedded store's `LayeredLoad`: a cached prefix read layer by layer (query-aware loads).
+
+`open_layered` takes the leading run of matched blocks stored in the layered layout
+(kvstore/layered_blocks.py) and pins them until the load is closed. `key_summary`
+reads one summary record per block of a layer (fastest tier first, promoted to
+memory); `read_layer` reads the chosen per-layer chunks through the mover (one
+batched read per block). A record that fails its checksum makes the store forget
+its block (as `load` does) and raises ChecksumError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from importance.lowbit import LowBitKeys, dequantize
+from kvstore.api import LayerSlice
+from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
+from kvstore.meta import BlockMeta
+from kvstore.model import ModelSpec
+from kvstore.results import Array, LoadedChunk
+from kvstore.stats import Counters
+from kvstore.summary import DecodedSummary, decode_summary, summary_record_bytes
+from radix import MatchResult
+
+if TYPE_CHECKING:
+    from kvstore.index import StoreIndex
+    from kvstore.mover import BlockMover
+
+
+def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
+    """The leading matched blocks readable layer by layer: layered, of this model's depth, with
+    the first one's chunk size (a block written under another setting ends the run)."""
+    metas: list[BlockMeta] = []
+    for node in match.nodes:
+        meta: BlockMeta = node.payload
+        if not meta.is_layered or meta.num_layers != model.num_layers:
+            break
+        if metas and meta.chunk_tokens != metas[0].chunk_tokens:
+            break
+        metas.append(meta)
+    return metas
+
+
+def open_layered(
+    mover: BlockMover, index: StoreIndex, match: MatchResult, model: ModelSpec, default_chunk_tokens: int,
+    counters: Counters,
+) -> LocalLayeredLoad:  # fmt: skip
+    """A `LocalLayeredLoad` over the layered run of `match`, its blocks pinned (see module docstring)."""
+    metas = layered_run(match, model)
+    keys = [m.key for m in metas]
+    try:
+        index.tree.pin(keys)
+    except KeyError:  # a block was evicted between the match and the pin: nothing to read this way
+        metas, keys = [], []
+    counters.add("layered_loads")
+    return LocalLayeredLoad(mover, index, metas, model, default_chunk_tokens, counters)
+
+
+class LocalLayeredLoad:
+    """The embedded store's `kvstore.api.LayeredLoad` (the contract is documented there).
+
+    A chunk record missing from every tier (lost storage) is handled as a corrupt one,
+    but raises NotFoundError.
+    """
+
+    def __init__(
+        self, mover: BlockMover, index: StoreIndex, metas: list[BlockMeta], model: ModelSpec,
+        default_chunk_tokens: int, counters: Counters,
+    ) -> None:  # fmt: skip
+        self._mover, self._index, self._metas, self._model = mover, index, metas, model
+        self._counters = counters
+        self.chunk_tokens = metas[0].chunk_tokens if metas else default_chunk_tokens
+        self.matched_tokens = sum(m.num_tokens for m in metas)
+        self.num_layers = model.num_layers
+        self.prefix_bytes = sum(m.nbytes for m in metas)
+        self.summary_bytes = sum(
+            summary_record_bytes(m.num_tokens, model.num_kv_heads, model.head_dim) * m.num_layers
+            for m in metas
+        )
+        self.bytes_read = 0
+        self.delivered_tokens = 0
+        self._layers_read: set[int] = set()
+        self._summaries: dict[int, Array] = {}
+        self._lowbit: dict[int, LowBitKeys] = {}
+        self._pinned: list[bytes] | None = [m.key for m in metas]
+
+    @property
+    def delivered_fraction(self) -> float:
+        """Delivered tokens / (matched tokens x layers read); 0.0 before any layer."""
+        denominator = self.matched_tokens * len(self._layers_read)
+        return self.delivered_tokens / denominator if denominator else 0.0
+
+    @property
+    def read_fraction(self) -> float:
+        """Bytes read / `prefix_bytes` (0.0 if nothing matched)."""
+        return self.bytes_read / self.prefix_bytes if self.prefix_bytes else 0.0
+
+    def key_summary(self, layer: int) -> Array:
+        """Approximate keys of `layer`: float32 (kv_heads, matched_tokens, head_dim); see the contract."""
+        if layer not in self._summaries:
+            self._summaries[layer] = dequantize(self.lowbit_summary(layer))
+        return self._summaries[layer]
+
+    def lowbit_summary(self, layer: int) -> LowBitKeys:
+        """Layer `layer`'s summaries over the matched prefix as stored (what the sidecar sends):
+        the blocks' codes side by side, one offset/step group per block. Read once."""
+        self._check_layer(layer)
+        if layer not in self._lowbit:
+            parts = [self._read_summary(meta, layer).keys for meta in self._metas]
+            self._lowbit[layer] = _joined(parts, self._model)
+        return self._lowbit[layer]
+
+    def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
+        """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim)."""
+        self._check_layer(layer)
+        wanted = self._check_chunks(chunks)
+        per_block = self._metas[0].chunks_per_layer if self._metas else 1
+        read: list[LoadedChunk] = []
+        for block_index, meta in enumerate(self._metas):
+            mine = [c - block_index * per_block for c in wanted if c // per_block == block_index]
+            if mine:
+                read += self._read_chunks(meta, block_index, [meta.record_index(layer, c) for c in mine])
+        self._layers_read.add(layer)
+        self.bytes_read += sum(c.nbytes for c in read)
+        self.delivered_tokens += sum(len(c.positions) for c in read)
+        if not read:
+            shape = (2, self._model.num_kv_heads, 0, self._model.head_dim)
+            return LayerSlice(np.zeros(0, np.int64), np.zeros(shape, self._model.np_dtype))
+        positions = np.concatenate([c.positions for c in read]).astype(np.int64)
+        return LayerSlice(positions, np.concatenate([c.kv[0] for c in read], axis=2))
+
+    def close(self) -> None:
+        """Release the pin. Idempotent."""
+        keys, self._pinned = self._pinned, None
+        if keys:
+            self._index.tree.unpin(keys)
+
+    def __enter__(self) -> LocalLayeredLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------
+
+    def _check_layer(self, layer: int) -> None:
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int | np.integer)
+            or not 0 <= layer < self.num_layers
+        ):
+            raise InvalidInputError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
+
+    def _check_chunks(self, chunks: Sequence[int]) -> list[int]:
+        total = self.matched_tokens // self.chunk_tokens
+        values = list(chunks)
+        for c in values:
+            if isinstance(c, bool) or not isinstance(c, int | np.integer) or not 0 <= c < total:
+                raise InvalidInputError(f"chunks must be integers in [0, {total}), got {c!r}")
+        if len(set(values)) != len(values):
+            raise InvalidInputError(f"chunks must not repeat an index, got {sorted(values)}")
+        return sorted(int(c) for c in values)
+
+    def _read_chunks(self, meta: BlockMeta, block_index: int, records: list[int]) -> list[LoadedChunk]:
+        try:
+            found = self._mover.read_records(meta, block_index, records)
+        except ChecksumError as exc:
+            self._lose(meta, "checksum_failures")
+            raise ChecksumError(f"block {meta.key.hex()}: {exc}") from exc
+        if found is None:
+            self._lose(meta, "chunk_misses")
+            raise NotFoundError(f"block {meta.key.hex()}: a chunk of records {records} is in no tier")
+        return found
+
+    def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
+        """One summary record, fastest tier first, verified; promoted to memory from a slower tier."""
+        index = meta.record_index(layer)
+        for tier in [self._mover.memory, *self._mover.durable]:
+            data = None
+            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+                data = tier.get_chunks(meta, [index])[0]
+            if data is None:
+                continue
+            try:
+                summary = decode_summary(data, meta.chunk_id(index))
+            except ChecksumError as exc:
+                self._lose(meta, "checksum_failures")
+                raise ChecksumError(f"block {meta.key.hex()}, summary of layer {layer}: {exc}") from exc
+            self.bytes_read += len(data)
+            self._counters.add_many({f"summary_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
+            if tier is not self._mover.memory:
+                self._index.promote(meta, index, bytes(data))
+            return summary
+        self._lose(meta, "chunk_misses")
+        raise NotFoundError(f"block {meta.key.hex()}: the summary of layer {layer} is in no tier")
+
+    def _lose(self, meta: BlockMeta, counter: str) -> None:
+        self._counters.add(counter)
+        self._index.forget(meta.key)
+
+
+def _joined(parts: list[LowBitKeys], model: ModelSpec) -> LowBitKeys:
+    """Per-block summaries of one layer as one: every block is one group of its own tokens."""
+    if not parts:
+        empty = np.zeros((model.num_kv_heads, 0, model.head_dim), np.float16)
+        return LowBitKeys(empty.astype(np.uint8), empty, empty, 2, 1)
+    return LowBitKeys(
+        np.concatenate([p.codes for p in parts], axis=1),
+        np.concatenate([p.low for p in parts], axis=1),
+        np.concatenate([p.step for p in parts], axis=1),
+        parts[0].bits,
+        parts[0].group_tokens,
+    )

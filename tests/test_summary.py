@@ -1,0 +1,69 @@
+"""Summary records of the layered layout (kvstore/summary.py): round trip, corruption, identity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from importance.lowbit import dequantize, quantize
+from kvstore.codec import ChunkId
+from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.summary import decode_summary, encode_summary, is_summary, summary_record_bytes
+
+RID = ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 3, 1)
+
+
+def _keys(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((3, 32, 8)) * rng.uniform(0.1, 5, (1, 1, 8))).astype(np.float16)
+
+
+def test_round_trip_equals_lowbit_of_the_keys() -> None:
+    keys = _keys()
+    data = encode_summary(RID, keys)
+    assert len(data) == summary_record_bytes(32, 3, 8) and is_summary(data)
+    decoded = decode_summary(data, RID)
+    assert decoded.record_id == RID
+    expected = dequantize(quantize(keys.astype(np.float32), 2, 32))
+    np.testing.assert_array_equal(decoded.dequantized(), expected)
+    assert decoded.keys.codes.max() <= 3 and decoded.keys.bits == 2
+
+
+def test_smollm2_size_is_the_documented_one() -> None:
+    # 3 KV heads x 64 channels, 256 tokens at 2 bits: 12,288 B of codes + 768 B of fp16 offsets/steps.
+    assert summary_record_bytes(256, 3, 64) - 83 == 13_056
+
+
+@pytest.mark.parametrize("where", [0, 5, 40, 80, 200, -3])
+def test_flipped_byte_is_a_checksum_error(where: int) -> None:
+    data = bytearray(encode_summary(RID, _keys()))
+    data[where] ^= 0x10
+    with pytest.raises(ChecksumError):
+        decode_summary(bytes(data), RID)
+
+
+def test_a_record_never_answers_for_another_block_or_layer() -> None:
+    data = encode_summary(RID, _keys())
+    for other in (
+        ChunkId(b"f" * 16, b"n" * 16, b"j" * 16, 3, 1),
+        ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 4, 1),
+        ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 3, 2),
+        ChunkId(b"g" * 16, b"n" * 16, b"k" * 16, 3, 1),
+    ):
+        with pytest.raises(ChecksumError, match="identity mismatch"):
+            decode_summary(data, other)
+
+
+def test_truncated_and_foreign_records_are_refused() -> None:
+    data = encode_summary(RID, _keys())
+    with pytest.raises(ChecksumError):
+        decode_summary(data[:-1], RID)
+    with pytest.raises(ChecksumError, match="truncated"):
+        decode_summary(data[:20], RID)
+
+
+def test_bad_keys_are_refused_by_name() -> None:
+    with pytest.raises(InvalidInputError, match="shape"):
+        encode_summary(RID, np.zeros((3, 8)))
+    with pytest.raises(InvalidInputError, match="finite"):
+        encode_summary(RID, np.full((1, 2, 2), np.inf))

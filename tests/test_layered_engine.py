@@ -14,11 +14,13 @@ from bench.quality_bench import SHIPPED_CONFIG, forward, prefix_state
 from bench.quality_masking import MaskPlan, masking
 from bench.texts import token_windows
 from engine_adapter.array_layers import ArrayLayers
+from engine_adapter.commands import _print_layered
 from engine_adapter.layered import chunk_positions, layered_prefill
-from engine_adapter.layered_policy import chunks_for_fraction
+from engine_adapter.layered_policy import MIN_LAYERED_FRACTION, chunks_for_fraction, static_auto_fraction
 from importance.query_select import choose_layer_chunks
 from importance.summaries import ChunkLayout
 from kvstore.api import DEFAULT_NAMESPACE, Tokens
+from kvstore.budget import AutoBudget
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
@@ -161,7 +163,9 @@ def lm_token(engine: Any) -> int:
     return int(engine.lm.tokenizer.encode("\n")[0])
 
 
-def test_a_checksum_error_mid_pass_recomputes_the_prompt(lm: Any, doc: Any, store: Any) -> None:
+def test_a_checksum_error_mid_pass_recomputes_the_prompt(
+    lm: Any, doc: Any, store: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     from engine_adapter.engine import Engine
 
     prefix, question, _ = doc
@@ -173,6 +177,8 @@ def test_a_checksum_error_mid_pass_recomputes_the_prompt(lm: Any, doc: Any, stor
         reference = Engine(lm, None).prefill(prefix + question)
     report = engine.last_layered
     assert report is not None and "layer 7" in report.error
+    _print_layered(report)
+    assert "abandoned" in capsys.readouterr().err
     victim = store.opened[-1]
     assert victim.delivered_tokens == 7 * report.chunks_per_layer * 8 and victim.closed  # failed mid-pass
     assert state.matched_tokens == 0 and state.computed_tokens == PREFIX + len(question)
@@ -185,7 +191,7 @@ def test_a_checksum_error_mid_pass_recomputes_the_prompt(lm: Any, doc: Any, stor
 
 
 def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
-    lm: Any, doc: Any, store: Any
+    lm: Any, doc: Any, store: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from engine_adapter.engine import Engine
 
@@ -197,6 +203,13 @@ def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
     assert report is not None and not report.error and engine.last_load is None
     assert report.chunks_per_layer == chunks_for_fraction(0.3, store.opened[-1]) and store.opened[-1].closed
     assert 0 < report.summary_fraction < report.read_fraction <= 0.3
+    _print_layered(report)  # what `kvsieve generate -v` prints
+    printed = capsys.readouterr().err
+    assert f"{report.chunks_per_layer} chunks of 8 tokens per layer" in printed
+    assert (
+        f"read {report.read_fraction:.1%}" in printed
+        and f"summaries {report.summary_fraction:.1%}" in printed
+    )
     opened = len(store.opened)
     engine.prefill([*prefix, lm_token(engine)], budget=0.3)  # one new token: static order
     assert engine.last_layered is None and engine.last_load is not None
@@ -206,3 +219,22 @@ def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
     assert engine.last_load.delivered_fraction == 1.0 and len(store.opened) == opened + 1
     engine.prefill(prefix + question, budget=0.1)  # too small for the summary: static order
     assert engine.last_layered is None and len(store.opened) == opened + 1
+
+
+def test_auto_reads_what_the_static_plan_would_deliver(lm: Any, doc: Any, store: Any) -> None:
+    from engine_adapter.engine import Engine
+
+    prefix, question, _ = doc
+    engine = Engine(lm, store)
+    _prime(engine, prefix)
+    fraction = static_auto_fraction(store, prefix + question, AutoBudget(), lm.spec, DEFAULT_NAMESPACE)
+    assert fraction is not None and 0 < fraction <= 1.0
+    engine.prefill(prefix + question, budget="auto")
+    report = engine.last_layered
+    if fraction < MIN_LAYERED_FRACTION:
+        assert report is None and engine.last_load is not None
+    else:
+        assert report is not None and report.chunks_per_layer == chunks_for_fraction(
+            fraction, store.opened[-1]
+        )
+        assert report.read_fraction <= fraction + 1e-9

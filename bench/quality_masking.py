@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_adapter.layered import layer_queries
+
 #: (layer, queries (query_heads, observed, head_dim) post-RoPE) -> keep (rows, prefix) bool,
 #: rows = 1 (the whole layer) or the number of KV heads.
 Chooser = Callable[[int, np.ndarray], np.ndarray]
@@ -77,18 +79,6 @@ def plans_active(plans: list[MaskPlan | None]) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.plans = None
-
-
-def layer_queries(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The attention module's queries after RoPE: (batch, query_heads, tokens, head_dim).
-
-    Same arithmetic as the Llama attention (q_proj, then rotate-half RoPE).
-    """
-    q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = q.shape[-1] // 2
-    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-    return q * cos + rotated * sin
 
 
 def _pre_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench.quality_masking import Chooser
+from importance.query_select import choose_layer_chunks
 from importance.selection import choose_chunks, edge_chunks, mix_static, reads_summary
 from importance.summaries import (
     Budget,
@@ -142,14 +143,28 @@ def _query_aware(
     layout = summary.layout
     if not reads_summary(budget):
         return np.ones((1, state.num_tokens), dtype=bool)
+    cost = summary.bytes_fraction if charge else 0.0
+    if _is_shipped_shape(kind, config):  # the engine's own choice (importance/query_select.py)
+        approx = np.swapaxes(summary.fields["keys_t"], 1, 2)
+        chosen = choose_layer_chunks(
+            queries, approx, budget, scale=state.scale, summary_fraction=cost,
+            chunk_tokens=config.chunk_tokens, sink_tokens=config.sink_chunks * config.chunk_tokens,
+            recent_tokens=config.recent_chunks * config.chunk_tokens,
+        )  # fmt: skip
+        return layout.token_mask(np.isin(np.arange(layout.num_chunks), chosen))[None]
     kv_heads = state.keys[layer].shape[0]
     mass = chunk_mass(summary.chunk_logits(queries, state.scale), kv_heads, config.per_kv_head)
     if config.static_weight:
         mass = mix_static(mass, static_chunk_mass(state.static_scores, layout), config.static_weight)
     forced = edge_chunks(layout, config.sink_chunks, config.recent_chunks)
-    cost = summary.bytes_fraction if charge else 0.0
     choice = choose_chunks(mass, layout, budget, cost, forced)
     return layout.token_mask(choice.chosen)
+
+
+def _is_shipped_shape(kind: str, config: QAConfig) -> bool:
+    """Low-bit keys, one choice per layer over prompt-order chunks, nothing mixed in."""
+    plain = config.layout == "natural" and not config.per_kv_head and not config.static_weight
+    return kind.startswith("lowbit") and plain
 
 
 def _snapkv(state: PrefixState, layer: int, queries: Array, k: int) -> Array:

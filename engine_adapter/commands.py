@@ -23,6 +23,7 @@ from kvstore.settings import build_config
 
 if TYPE_CHECKING:
     from engine_adapter.dsl.run import Event
+    from engine_adapter.layered import LayeredReport
 
 ENGINE_SKIPS = ("metrics_listen", "max_store_tokens", "shm")
 """ServerConfig fields that the engine server does not use (no flag, refused in [engine])."""
@@ -156,6 +157,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         _print_timings(args, result, lm.spec.fingerprint.hex())
         _print_budget(budget, engine.last_load)
+        _print_layered(engine.last_layered)
     return 0
 
 
@@ -185,6 +187,21 @@ def _print_budget(budget: float | int | AutoBudget, stream: LoadStream | None) -
         f"budget {word}: delivered {stream.delivered_fraction:.1%} of the cached prefix's tokens, "
         f"read {stream.read_fraction:.1%} of its bytes, "
         f"estimated attention mass {stream.estimated_coverage:.1%}",
+        file=sys.stderr,
+    )
+
+
+def _print_layered(report: LayeredReport | None) -> None:
+    """`generate -v`: what a layer-by-layer load chose and read, or why it fell back (stderr)."""
+    if report is None:
+        return
+    if report.error:
+        print(f"layer-by-layer load abandoned ({report.error}): prompt recomputed", file=sys.stderr)
+        return
+    print(
+        f"layer by layer: {report.chunks_per_layer} chunks of {report.chunk_tokens} tokens per layer chosen "
+        f"by the new tokens' queries; delivered {report.delivered_fraction:.1%} of the cached prefix's "
+        f"tokens, read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%})",
         file=sys.stderr,
     )
 

@@ -5,7 +5,9 @@
 how much matched (all of it, or its most important share under a budget),
 builds the cache from the loaded chunks at their true positions, computes only
 the new tokens, stores the new full blocks with their prefill scores, reports
-how the new tokens attended to the prefix, then decodes.
+how the new tokens attended to the prefix, then decodes. A request with new
+tokens at a partial budget may instead load the prefix layer by layer, each
+layer's chunks chosen by those tokens' queries (engine_adapter/layered.py).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from engine_adapter.batch import left_pad, padding_mask
 from engine_adapter.cache import cache_from
 from engine_adapter.chat import ChatFormat
 from engine_adapter.decode import Completion, Sampler
+from engine_adapter.layered import LayeredReport, layered_prefill
+from engine_adapter.layered_policy import plan_layered
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
+from kvstore.errors import KVSieveError
 
 Messages = Sequence[dict[str, str]]
 
@@ -95,8 +100,10 @@ class Engine:
         self.collect_stats = collect_stats
         #: Chat turns as token ids, from the tokenizer's chat template (the DSL's messages too).
         self.chat = ChatFormat(lm.tokenizer)
-        #: The last load's stream (closed): what its budget delivered and read.
+        #: The last prefill's load stream (closed): what its budget delivered and read.
         self.last_load: LoadStream | None = None
+        #: The last prefill's layer-by-layer load, if it took that path (or tried and fell back).
+        self.last_layered: LayeredReport | None = None
 
     # -- prompts ------------------------------------------------------------------
 
@@ -117,7 +124,16 @@ class Engine:
     def prefill(self, ids: Sequence[int], budget: Budget = 1.0) -> Prefill:
         """Compute the prompt, reusing cached prefix KV; stores and reports as described above."""
         timings = Timings()
-        positions, cache, matched = self._load(ids, budget, timings)
+        self.last_load = self.last_layered = None
+        if (layered := self._prefill_layered(ids, budget, timings)) is not None:
+            return layered
+        return self._prefill_static(ids, budget, timings)
+
+    def _prefill_static(
+        self, ids: Sequence[int], budget: Budget, timings: Timings, reuse: bool = True
+    ) -> Prefill:
+        """Load the prefix in one call (if `reuse`), compute the rest, store and report."""
+        positions, cache, matched = self._load(ids, budget if reuse else None, timings)
         loaded = len(positions)
         stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
         t0 = time.perf_counter()
@@ -130,8 +146,43 @@ class Engine:
                 self._report(ids[:matched], stats)
         return state
 
-    def _load(self, ids: Sequence[int], budget: Budget, timings: Timings) -> tuple[Any, Any, int]:
+    def _prefill_layered(self, ids: Sequence[int], budget: Budget, timings: Timings) -> Prefill | None:
+        """The layer-by-layer path (engine_adapter/layered_policy.py says when), or None.
+
+        A store error mid-pass abandons it: the prompt is recomputed without the store.
+        """
+        if self.store is None:
+            return None
+        t0 = time.perf_counter()
+        plan = plan_layered(self.store, ids, budget, model=self.lm.spec, namespace=self.namespace)
+        if plan is None:
+            return None
+        timings.lookup_s = time.perf_counter() - t0
+        matched = int(plan.load.matched_tokens)
+        with plan.load:
+            try:
+                out = layered_prefill(self.lm.model, plan.load, ids[matched:], plan.chunks)
+            except KVSieveError as exc:
+                self.last_layered = LayeredReport(
+                    matched, plan.load.chunk_tokens, plan.chunks, error=str(exc)
+                )
+                return self._recompute(ids, timings)
+        self.last_layered = out.report
+        timings.load_s = out.report.load_s
+        timings.prefill_s = time.perf_counter() - t0 - timings.lookup_s - out.report.load_s
+        loaded = plan.chunks * plan.load.chunk_tokens  # per layer; never stored (an approximation)
+        return Prefill(
+            out.cache, out.logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings
+        )
+
+    def _recompute(self, ids: Sequence[int], timings: Timings) -> Prefill:
+        """The whole prompt computed, nothing loaded, its new blocks stored (after a failed layered load)."""
+        return self._prefill_static(ids, 1.0, timings, reuse=False)
+
+    def _load(self, ids: Sequence[int], budget: Budget | None, timings: Timings) -> tuple[Any, Any, int]:
         """(positions of the loaded tokens, the cache holding them, prefix length covered).
+
+        With `budget` None nothing is loaded (the whole prompt is computed).
 
         One Load call: its header answers what a Lookup would (the matched prefix),
         so no separate round trip. At least the last token is computed: its logits
@@ -140,7 +191,7 @@ class Engine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.lm.model.config)
-        if self.store is None or len(ids) < 2:
+        if self.store is None or budget is None or len(ids) < 2:
             return np.zeros(0, np.int64), cache, 0
         t0 = time.perf_counter()
         stream = self.store.load(ids[:-1], model=self.lm.spec, namespace=self.namespace, budget=budget)

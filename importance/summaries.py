@@ -151,7 +151,7 @@ class KeySummary:
     """One summary of a layer's prefix keys, per KV head.
 
     Attributes:
-        kind: `minmax`, `mean`, `lowbitN` or `exact`.
+        kind: `minmax`, `mean`, `lowbitN`, `exact`, or `approx` (keys decoded from a summary).
         layout: the chunks summarised.
         fields: kind-specific arrays, each (kv_heads, head_dim, chunks or slots).
         bytes_fraction: summary bytes / the chunks' K+V bytes (fp16).
@@ -229,6 +229,16 @@ def summarize(kind: str, keys: Array, layout: ChunkLayout, group_tokens: int = 2
         fields = {"keys_t": _transposed(quantize_keys(stored, bits, group_tokens))}
         return KeySummary(kind, layout, fields, summary_bytes / full_bytes)
     raise ValueError(f"unknown summary kind {kind!r} (minmax, mean, exact, lowbit1..lowbit8)")
+
+
+def key_summary_of(approx_keys: Array, layout: ChunkLayout, bytes_fraction: float) -> KeySummary:
+    """A summary from keys already decoded from one (e.g. a store's `lowbit2` records).
+
+    `approx_keys` are (kv_heads, tokens, head_dim) in prompt order; chunks are scored
+    like `lowbitN` (logsumexp of q.k_hat over each chunk's tokens).
+    """
+    stored = np.asarray(approx_keys, dtype=np.float32)[:, layout.order]
+    return KeySummary("approx", layout, {"keys_t": _transposed(stored)}, float(bytes_fraction))
 
 
 def _transposed(per_head: Array) -> Array:

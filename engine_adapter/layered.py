@@ -1,0 +1,182 @@
+"""Prefill that loads the cached prefix layer by layer, each layer's chunks chosen by its queries.
+
+The cache starts with `chunks x chunk_tokens` placeholder tokens per layer (the
+same count in every layer, so one attention mask serves all layers). A forward
+pre-hook on every attention module runs when that layer's input exists: it
+computes the new tokens' queries (post-RoPE, true positions), scores the prefix's
+chunks against the layer's key summary (`LayeredLoad.key_summary`), chooses
+(importance/query_select.py, the choice the quality benchmark measures), reads
+the chosen chunks of that layer only (`LayeredLoad.read_layer`) and copies them
+into the cache in place, before the attention reads it. Cached tokens keep their
+true positions (keys are stored post-RoPE); the new tokens get theirs explicitly.
+
+The resulting cache holds different tokens per layer: an approximation of the
+prefix, never to be stored. A store error mid-pass propagates (the engine then
+recomputes the prompt: no partial KV is used).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from engine_adapter.cache import cache_from
+from importance.query_select import choose_layer_chunks
+from kvstore.api import LayeredLoad, LayerSlice
+from kvstore.errors import ChecksumError, InvalidInputError
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass
+class LayeredReport:
+    """What a layer-by-layer load delivered (`kvsieve generate -v` prints it).
+
+    Attributes:
+        matched_tokens: prefix tokens readable layer by layer.
+        chunk_tokens: tokens per chunk.
+        chunks_per_layer: chunks read in every layer.
+        delivered_fraction: delivered tokens / (matched tokens x layers read).
+        read_fraction: bytes read (summaries included) / the prefix's bytes.
+        summary_fraction: the summaries' bytes / the prefix's bytes (part of `read_fraction`).
+        bytes_read: bytes read, summaries included.
+        chosen: per layer, the chunk indices read (sorted).
+        load_s: seconds spent scoring and reading inside the forward pass.
+        error: why the load was abandoned (the prompt was recomputed); "" if it was not.
+    """
+
+    matched_tokens: int
+    chunk_tokens: int
+    chunks_per_layer: int
+    delivered_fraction: float = 0.0
+    read_fraction: float = 0.0
+    summary_fraction: float = 0.0
+    bytes_read: int = 0
+    chosen: dict[int, Array] = field(default_factory=dict)
+    load_s: float = 0.0
+    error: str = ""
+
+
+class LayeredPrefill(NamedTuple):
+    """Logits of the new tokens (1, new, vocab), the cache after them, and the load's report."""
+
+    logits: torch.Tensor
+    cache: Any
+    report: LayeredReport
+
+
+def layer_queries(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The attention module's queries after RoPE: (batch, query_heads, tokens, head_dim).
+
+    Same arithmetic as the Llama attention (q_proj, then rotate-half RoPE).
+    """
+    q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = q.shape[-1] // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return q * cos + rotated * sin
+
+
+def layered_prefill(model: Any, load: LayeredLoad, new_ids: Sequence[int], chunks: int) -> LayeredPrefill:
+    """Compute `new_ids` (at positions matched_tokens..) over `chunks` chosen chunks per layer.
+
+    Args:
+        model: a Llama-style HF causal LM (attention modules at model.model.layers[i].self_attn).
+        load: an open layered load; not closed here.
+        new_ids: the tokens after the matched prefix (at least one).
+        chunks: chunks to read in every layer, in [1, matched_tokens / chunk_tokens].
+
+    Raises:
+        InvalidInputError: no new tokens, a prefix not a whole number of chunks, or a bad count.
+        KVSieveError: from the load (e.g. `ChecksumError`); nothing read may be used.
+    """
+    n, chunk = int(load.matched_tokens), int(load.chunk_tokens)
+    if not new_ids or n <= 0 or n % chunk or not 1 <= chunks <= n // chunk:
+        raise InvalidInputError(
+            f"layered prefill needs new tokens, a prefix of whole chunks and chunks in "
+            f"[1, {n // max(chunk, 1)}]; got {len(new_ids)} new, prefix {n}, chunk {chunk}, chunks {chunks}"
+        )
+    config = model.config
+    heads, dim = (
+        config.num_key_value_heads,
+        getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads),
+    )
+    dtype = next(model.parameters()).dtype
+    shape = (1, heads, chunks * chunk, dim)
+    cache = cache_from(config, [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                                for _ in range(config.num_hidden_layers)])  # fmt: skip
+    filler = _LayerFiller(load, cache, chunks)
+    handles = [
+        layer.self_attn.register_forward_pre_hook(filler, with_kwargs=True) for layer in model.model.layers
+    ]
+    try:
+        out = model(
+            input_ids=torch.tensor([list(new_ids)], dtype=torch.long),
+            position_ids=torch.arange(n, n + len(new_ids)).unsqueeze(0),
+            past_key_values=cache,
+            use_cache=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return LayeredPrefill(out.logits, cache, filler.report())
+
+
+class _LayerFiller:
+    """The forward pre-hook: choose, read and install one layer's chunks before its attention."""
+
+    def __init__(self, load: LayeredLoad, cache: Any, chunks: int) -> None:
+        self.load, self.cache, self.chunks = load, cache, chunks
+        self.chosen: dict[int, Array] = {}
+        self.load_s = 0.0
+
+    def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        layer = int(module.layer_idx)
+        cos, sin = kwargs["position_embeddings"]
+        queries = layer_queries(module, kwargs["hidden_states"], cos, sin)[0].float().numpy()
+        approx = self.load.key_summary(layer)
+        chosen = choose_layer_chunks(queries, approx, self.chunks, scale=float(module.scaling))
+        part = self.load.read_layer(layer, [int(c) for c in chosen])
+        _check_slice(layer, part, chosen, int(self.load.chunk_tokens))
+        with warnings.catch_warnings():  # torch warns about read-only arrays; the source is only read
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(np.asarray(part.kv))
+        target = self.cache.layers[layer]
+        target.keys[0].copy_(source[0])  # fp16 -> the model's dtype, in place: the mask stays valid
+        target.values[0].copy_(source[1])
+        self.chosen[layer] = chosen
+        self.load_s += time.perf_counter() - t0
+
+    def report(self) -> LayeredReport:
+        load = self.load
+        return LayeredReport(
+            int(load.matched_tokens), int(load.chunk_tokens), self.chunks,
+            float(load.delivered_fraction), float(load.read_fraction),
+            load.summary_bytes / load.prefix_bytes if load.prefix_bytes else 0.0,
+            int(load.bytes_read), dict(self.chosen), self.load_s,
+        )  # fmt: skip
+
+
+def chunk_positions(chosen: Array, chunk_tokens: int) -> Array:
+    """True positions of the tokens of chunks `chosen` (prompt-order chunks), ascending."""
+    chosen = np.sort(np.asarray(chosen, dtype=np.int64))
+    return (chosen[:, None] * chunk_tokens + np.arange(chunk_tokens)[None, :]).reshape(-1)
+
+
+def _check_slice(layer: int, part: LayerSlice, chosen: Array, chunk_tokens: int) -> None:
+    """A load that delivers other tokens than the chosen chunks' must not be used."""
+    expected = chunk_positions(chosen, chunk_tokens)
+    positions = np.asarray(part.positions)
+    if positions.shape != expected.shape or not np.array_equal(positions, expected):
+        raise ChecksumError(
+            f"layer {layer}: the load delivered other positions than chunks {chosen.tolist()}"
+        )
+    if tuple(part.kv.shape[:1] + part.kv.shape[2:3]) != (2, len(expected)):
+        raise ChecksumError(f"layer {layer}: the load delivered KV of shape {part.kv.shape}")

@@ -85,11 +85,15 @@ def _fp16_at_least(x: Array) -> Array:
 
 def dequantize(keys: LowBitKeys) -> Array:
     """The keys a `LowBitKeys` stands for: float32 (kv_heads, tokens, head_dim)."""
-    n = keys.codes.shape[1]
-    group = np.arange(n) // keys.group_tokens
-    low = keys.low.astype(np.float32)[:, group]
-    step = keys.step.astype(np.float32)[:, group]
-    return low + keys.codes.astype(np.float32) * step
+    heads, n, dim = keys.codes.shape
+    g = keys.group_tokens
+    groups = -(-n // g)
+    low, step = keys.low.astype(np.float32), keys.step.astype(np.float32)
+    if n == groups * g:  # whole groups (a store's blocks): broadcast, no gathered copies
+        codes = keys.codes.reshape(heads, groups, g, dim).astype(np.float32)
+        return (low[:, :, None] + codes * step[:, :, None]).reshape(heads, n, dim)
+    group = np.arange(n) // g
+    return low[:, group] + keys.codes.astype(np.float32) * step[:, group]
 
 
 def pack_codes(codes: Array, bits: int) -> bytes:
@@ -121,9 +125,10 @@ def unpack_codes(data: bytes | memoryview, bits: int, shape: tuple[int, ...]) ->
         raise ValueError(f"packed codes are {len(raw)} bytes, {expected} expected for {shape} at {bits} bits")
     if per_byte == 1:
         return raw.reshape(shape).copy()
-    shifts = (np.arange(per_byte, dtype=np.uint8) * bits).astype(np.uint8)
+    codes = np.empty((len(raw), per_byte), dtype=np.uint8)
     mask = np.uint8((1 << bits) - 1)
-    codes = (raw[:, None] >> shifts) & mask
+    for i in range(per_byte):  # a few whole-array shifts: far cheaper than a gather per byte
+        np.bitwise_and(np.right_shift(raw, i * bits), mask, out=codes[:, i])
     return codes.reshape(-1)[:count].reshape(shape)
 
 

@@ -76,12 +76,18 @@ class Item:
 
 
 class Job(NamedTuple):
-    """One row of the comparison: a method (shaped by `config`) at a budget, recorded as `label`."""
+    """One row of the comparison: a method (shaped by `config`) at a budget, recorded as `label`.
+
+    `auto_rule` says how a `qa_*` method meets an `auto` budget: `layer`, each layer's own
+    coverage; `prefix`, the same count for every layer, the mean over layers of the shipped
+    method's per-layer choice (a simulation: a layer-by-layer load cannot know it up front).
+    """
 
     label: str
     method: str
     budget: float | str
     config: QAConfig
+    auto_rule: str = "layer"
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -228,9 +234,7 @@ def _compare(
     shipped: str, records: Records,
 ) -> None:  # fmt: skip
     """Every job on one item, in batches; `auto` rows of other methods after the shipped one's."""
-    later = [
-        j for j in jobs if j.budget == "auto" and j.method != "oracle" and not j.method.startswith("qa_")
-    ]
+    later = [j for j in jobs if j.budget == "auto" and j.method != "oracle" and not _own_auto(j)]
     later += [j for j in jobs if j.budget == "auto" and j.method == "oracle"]
     first = [j for j in jobs if j not in later]
     for batch in [first[i : i + BATCH] for i in range(0, len(first), BATCH)]:
@@ -261,11 +265,16 @@ def _budget_for(job: Job, shipped_auto: float | None) -> Budget:
     """Fixed fractions as given; `auto` is the coverage rule for `qa_*`, the shipped one's bytes otherwise."""
     if job.budget != "auto":
         return FixedBudget(float(job.budget))
-    if job.method.startswith("qa_"):
+    if _own_auto(job):
         return AUTO
     if shipped_auto is None:
         raise ValueError("auto budgets need the shipped method in the comparison")
     return FixedBudget(min(1.0, shipped_auto))
+
+
+def _own_auto(job: Job) -> bool:
+    """Whether the job's method meets `auto` with its own per-layer coverage rule."""
+    return job.method.startswith("qa_") and job.auto_rule == "layer"
 
 
 def budget_tag(budget: float | str) -> str:

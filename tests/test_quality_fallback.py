@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.quality_bench import WINDOWS_ENV, windows
+from bench.quality_bench import AUTO, SHIPPED_CONFIG, WINDOWS_ENV, Job, _budget_for, _own_auto, windows
 from bench.quality_methods import STATIC_CHUNK_TOKENS, static_chunks
 from importance.summaries import FixedBudget
 
@@ -58,3 +58,15 @@ def test_the_window_count_comes_from_the_environment(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv(WINDOWS_ENV, bad)
         with pytest.raises(ValueError, match=f"{WINDOWS_ENV}.*{bad!r}"):
             windows()
+
+
+def test_auto_rules_give_their_budgets() -> None:
+    per_layer = Job("qa_lowbit2", "qa_lowbit2", "auto", SHIPPED_CONFIG)
+    per_prefix = Job("qa_lowbit2:prefix", "qa_lowbit2", "auto", SHIPPED_CONFIG, "prefix")
+    fallback = Job("static_c8", "static_c8", "auto", SHIPPED_CONFIG)
+    assert _own_auto(per_layer) and not _own_auto(per_prefix) and not _own_auto(fallback)
+    assert _budget_for(per_layer, None) == AUTO
+    # the same count for every layer: the shipped per-layer rule's mean delivered fraction
+    assert _budget_for(per_prefix, 0.317) == FixedBudget(0.317) == _budget_for(fallback, 0.317)
+    with pytest.raises(ValueError, match="shipped"):
+        _budget_for(per_prefix, None)

@@ -41,11 +41,21 @@ SHIPPED = "lowbit2"
 #: Chosen from bench/quality_variants.py runs (docs/importance.md): 8-token chunks (the low-bit
 #: summary costs the same at any chunk size), one choice per layer, first and last 16 tokens kept.
 SHIPPED_CONFIG = QAConfig(chunk_tokens=8, per_kv_head=False, sink_chunks=2, recent_chunks=2)
-METHODS = ("static", "sink_recent", "snapkv", *(f"qa_{s}" for s in SUMMARIES), "oracle")
+METHODS = (
+    "static",
+    "static_c8",
+    "static_c8_edges",
+    "sink_recent",
+    "snapkv",
+    *(f"qa_{s}" for s in SUMMARIES),
+    "oracle",
+)
 BATCH = 12  # rows per forward pass: batching the methods is ~2x faster on CPU
 #: Where each finished window's records are appended (JSON lines), if set: a long run
 #: that is stopped keeps its windows, and `python -m bench.quality_bench FILE` summarises them.
 RECORDS_ENV = "KVSIEVE_QUALITY_RECORDS"
+#: How many windows a full-size run measures (default 20): fewer for a run that must fit a time.
+WINDOWS_ENV = "KVSIEVE_QUALITY_WINDOWS"
 PREFIX, CONTINUATION, ANSWER = 1024, 32, 16
 QUESTIONS = (
     "Summarise the text in one sentence.",
@@ -66,12 +76,18 @@ class Item:
 
 
 class Job(NamedTuple):
-    """One row of the comparison: a method (shaped by `config`) at a budget, recorded as `label`."""
+    """One row of the comparison: a method (shaped by `config`) at a budget, recorded as `label`.
+
+    `auto_rule` says how a `qa_*` method meets an `auto` budget: `layer`, each layer's own
+    coverage; `prefix`, the same count for every layer, the mean over layers of the shipped
+    method's per-layer choice (a simulation: a layer-by-layer load cannot know it up front).
+    """
 
     label: str
     method: str
     budget: float | str
     config: QAConfig
+    auto_rule: str = "layer"
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -79,7 +95,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     from engine_adapter.model import load_model
 
     lm = load_model(quiet=True)
-    count, questions, prefix = (1, QUESTIONS[:1], 512) if quick else (20, QUESTIONS[:2], PREFIX)
+    count, questions, prefix = (1, QUESTIONS[:1], 512) if quick else (windows(), QUESTIONS[:2], PREFIX)
     jobs = [Job(m, m, b, SHIPPED_CONFIG) for b in BUDGETS for m in METHODS]
     sink = os.environ.get(RECORDS_ENV)
     records = evaluate(lm, count, questions, jobs, f"qa_{SHIPPED}", prefix, Path(sink) if sink else None)
@@ -93,6 +109,14 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 Records = dict[tuple[str, str, str], list[dict[str, float]]]
+
+
+def windows() -> int:
+    """The full-size run's window count: WINDOWS_ENV if set, else 20. Raises ValueError naming a bad value."""
+    text = os.environ.get(WINDOWS_ENV, "20")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{WINDOWS_ENV} must be a positive whole number, got {text!r}")
+    return int(text)
 
 
 def evaluate(
@@ -210,9 +234,7 @@ def _compare(
     shipped: str, records: Records,
 ) -> None:  # fmt: skip
     """Every job on one item, in batches; `auto` rows of other methods after the shipped one's."""
-    later = [
-        j for j in jobs if j.budget == "auto" and j.method != "oracle" and not j.method.startswith("qa_")
-    ]
+    later = [j for j in jobs if j.budget == "auto" and j.method != "oracle" and not _own_auto(j)]
     later += [j for j in jobs if j.budget == "auto" and j.method == "oracle"]
     first = [j for j in jobs if j not in later]
     for batch in [first[i : i + BATCH] for i in range(0, len(first), BATCH)]:
@@ -243,11 +265,16 @@ def _budget_for(job: Job, shipped_auto: float | None) -> Budget:
     """Fixed fractions as given; `auto` is the coverage rule for `qa_*`, the shipped one's bytes otherwise."""
     if job.budget != "auto":
         return FixedBudget(float(job.budget))
-    if job.method.startswith("qa_"):
+    if _own_auto(job):
         return AUTO
     if shipped_auto is None:
         raise ValueError("auto budgets need the shipped method in the comparison")
     return FixedBudget(min(1.0, shipped_auto))
+
+
+def _own_auto(job: Job) -> bool:
+    """Whether the job's method meets `auto` with its own per-layer coverage rule."""
+    return job.method.startswith("qa_") and job.auto_rule == "layer"
 
 
 def budget_tag(budget: float | str) -> str:

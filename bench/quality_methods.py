@@ -6,6 +6,9 @@ selects per head). Bytes are counted per layer and head: a method delivers
 
 - `static`: today's store: the top tokens by prefill importance, one set for all
   layers (the importance layout makes them whole chunks).
+- `static_c8` / `static_c8_edges`: the layered store's fallback: 8-token chunks in
+  prompt order ranked by their tokens' mean prefill importance, one set for all
+  layers (`_edges`: the first and last 16 tokens always).
 - `sink_recent`: the first 4 tokens and the most recent ones.
 - `snapkv`: per KV head, the tokens the observed queries attend to most, pooled
   over 7 neighbours (needs every key: its scoring bytes are not counted).
@@ -37,6 +40,9 @@ from importance.summaries import (
 Array = np.ndarray[Any, Any]
 SINK_TOKENS = 4
 SNAPKV_POOL = 7
+#: The layered layout's chunk size, and the chunks at each edge `static_c8_edges` forces (16 tokens).
+STATIC_CHUNK_TOKENS = 8
+STATIC_EDGE_CHUNKS = 2
 
 
 @dataclass(frozen=True)
@@ -109,13 +115,16 @@ def summary_charge(method: str, state: PrefixState, budget: Budget, config: QACo
 def chooser(method: str, state: PrefixState, budget: Budget, config: QAConfig) -> Chooser:
     """The chooser of `method` at `budget` (`config` shapes `qa_*` and `oracle`)."""
     n = state.num_tokens
-    if method in ("static", "sink_recent", "snapkv"):
+    if method in ("static", "static_c8", "static_c8_edges", "sink_recent", "snapkv"):
         if not isinstance(budget, FixedBudget):
             raise ValueError(f"method {method} needs a fixed budget, got {budget!r}")
         k = min(n, int(np.ceil(budget.fraction * n - 1e-9)))
     if method == "static":
         keep = np.zeros((1, n), dtype=bool)
         keep[0, np.argsort(-state.static_scores, kind="stable")[:k]] = True
+        return lambda layer, queries: keep
+    if method in ("static_c8", "static_c8_edges"):
+        keep = static_chunks(state.static_scores, budget, edges=method == "static_c8_edges")
         return lambda layer, queries: keep
     if method == "sink_recent":
         keep = np.zeros((1, n), dtype=bool)
@@ -134,6 +143,18 @@ def chooser(method: str, state: PrefixState, budget: Budget, config: QAConfig) -
         kind = method[3:]
         return lambda layer, queries: _query_aware(state, kind, layer, queries, budget, config, charge=True)
     raise ValueError(f"unknown method {method!r}")
+
+
+def static_chunks(scores: Array, budget: Budget, edges: bool) -> Array:
+    """Keep mask (1, tokens) of the prompt-order 8-token chunks with the highest mean static score.
+
+    Whole chunks only, never more than `budget` (`choose_chunks`); with `edges` the first
+    and last 16 tokens are taken first.
+    """
+    layout = ChunkLayout.natural(len(scores), STATIC_CHUNK_TOKENS)
+    mean_score = static_chunk_mass(scores, layout) / layout.sizes  # value per byte: a partial chunk too
+    forced = edge_chunks(layout, STATIC_EDGE_CHUNKS, STATIC_EDGE_CHUNKS) if edges else None
+    return np.asarray(layout.token_mask(choose_chunks(mean_score, layout, budget, 0.0, forced).chosen))
 
 
 def _query_aware(

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from bench.quality_bench import QUESTIONS, Job, evaluate
+from bench.quality_bench import QUESTIONS, SHIPPED_CONFIG, Job, evaluate
 from bench.quality_methods import QAConfig
 
 BASE = QAConfig()
@@ -24,6 +24,7 @@ VARIANTS = {
     "L8e22m3": replace(
         BASE, per_kv_head=False, chunk_tokens=8, sink_chunks=2, recent_chunks=2, static_weight=0.3
     ),
+    "shipped": SHIPPED_CONFIG,
     "base": BASE,
     "layer": replace(BASE, per_kv_head=False),
     "noedge": replace(BASE, sink_chunks=0, recent_chunks=0),
@@ -42,15 +43,25 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help="skip this many windows")
     parser.add_argument("--baselines", default="static,sink_recent,snapkv")
     parser.add_argument("--questions", type=int, default=2)
-    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument(
+        "--budget", default="0.25", help="a fraction, or auto (the first variant's first method decides)"
+    )
+    parser.add_argument(
+        "--prefix-auto", action="store_true", help="also each qa method with one count for all layers"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--methods", default="qa_lowbit2,qa_minmax,qa_mean,oracle")
     args = parser.parse_args()
-    jobs = [Job(m, m, args.budget, BASE) for m in args.baselines.split(",") if m]
+    budget = args.budget if args.budget == "auto" else float(args.budget)
+    jobs = [Job(m, m, budget, BASE) for m in args.baselines.split(",") if m]
     for name in args.variants.split(","):
-        jobs += [Job(f"{name}:{m}", m, args.budget, VARIANTS[name]) for m in args.methods.split(",")]
+        jobs += [Job(f"{name}:{m}", m, budget, VARIANTS[name]) for m in args.methods.split(",")]
+        if args.prefix_auto:
+            qa = [m for m in args.methods.split(",") if m.startswith("qa_")]
+            jobs += [Job(f"{name}:{m}:prefix", m, budget, VARIANTS[name], "prefix") for m in qa]
+    shipped = f"{args.variants.split(',')[0]}:{args.methods.split(',')[0]}"
     lm = load_model(quiet=True)
-    records = evaluate(lm, args.windows, QUESTIONS[: args.questions], jobs, "", first=args.first)
+    records = evaluate(lm, args.windows, QUESTIONS[: args.questions], jobs, shipped, first=args.first)
     for (workload, label, _), rows in sorted(records.items()):
         means = {f: round(float(np.mean([r[f] for r in rows])), 3) for f in rows[0]}
         print(workload, label, means, flush=True)

@@ -36,7 +36,10 @@ PUBLISHED = {
             "first_token",
             "exact_match",
         )
-        for method in ("static", "sink_recent", "snapkv", "qa_minmax", "qa_mean", "qa_lowbit2", "oracle")
+        for method in (
+            *("static", "static_c8", "static_c8_edges"),
+            *("sink_recent", "snapkv", "qa_minmax", "qa_mean", "qa_lowbit2", "oracle"),
+        )
         for tag in ("0_1", "0_25", "0_5", "auto")
     )
     + " summary_bytes_fraction summary_bytes_fraction_minmax summary_bytes_fraction_mean "

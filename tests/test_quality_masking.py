@@ -71,7 +71,10 @@ def test_a_static_selection_equals_a_real_partial_cache(lm: Any, prefix: Any) ->
     assert (masked - real).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("method", ["static", "sink_recent", "snapkv", "qa_lowbit2", "qa_minmax", "oracle"])
+@pytest.mark.parametrize(
+    "method",
+    ["static", "static_c8", "static_c8_edges", "sink_recent", "snapkv", "qa_lowbit2", "qa_minmax", "oracle"],
+)
 def test_budget_one_is_the_full_prefix(lm: Any, prefix: Any, method: str) -> None:
     _, new, pairs, state = prefix
     plan = MaskPlan(PREFIX, 4, chooser(method, state, FixedBudget(1.0), QAConfig()))

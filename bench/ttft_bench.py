@@ -4,7 +4,9 @@ Prompts are windows of 512, 1,024 and 2,048 tokens of Debian's license texts
 (bench/texts.py) plus a 32-token question. In one run, per length:
 (a) recompute everything; (b) load the whole prefix from the memory tier;
 (c) load it from the disk tier with a cold page cache; (d) load the most
-important quarter (budget 0.25). Then the quality of (d) against (b): top-1
+important quarter (budget 0.25); (e) the same budget from a cold store in the
+layered layout, where the question's queries choose each layer's chunks
+(query-aware, layer by layer inside the forward pass). Then the quality of (d) against (b): top-1
 agreement and mean KL over 32 teacher-forced continuation tokens, for 10 prefixes.
 `floor_s` is what (c) cannot beat at the longest length: computing the uncached
 suffix plus reading the prefix's bytes at `seq_read_mb_s` (a cold sequential
@@ -49,6 +51,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         top = lengths[-1]
         out["ttft_speedup_disk_2048"] = round(out[f"ttft_recompute_s_{top}"] / out[f"ttft_disk_s_{top}"], 2)
         out["ttft_speedup_budget_2048"] = round(out[f"ttft_disk_s_{top}"] / out[f"ttft_budget_s_{top}"], 2)
+        out["ttft_speedup_layered_2048"] = round(out[f"ttft_disk_s_{top}"] / out[f"ttft_layered_s_{top}"], 2)
         out |= _floor(out, top, lm.spec.token_bytes, Path(tmp) / "seq.bin")
         out |= _quality(lm, Path(tmp) / "quality", 256 if quick else 1024, 3 if quick else 10)
     out |= _stats_overhead(lm, lengths[-1])
@@ -81,6 +84,7 @@ def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
     prompts = [ids + _question(lm) for _, ids in windows]
     config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30)
     recompute, memory, disk, budget, suffix = [], [], [], [], []
+    layered: list[tuple[float, float]] = []
     for prompt in prompts:
         recompute.append(_ttft(Engine(lm, None, collect_stats=False), prompt, 1.0))
         with TieredStore(config) as store:
@@ -94,13 +98,32 @@ def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
         make_cold(config.lmdb_dir / "data.mdb", drop_all=False)  # type: ignore[operator]
         with TieredStore(config) as store:
             budget.append(_ttft(Engine(lm, store), prompt, BUDGET))
+        layered.append(_layered_ttft(lm, prompt, data_dir.with_name(data_dir.name + "-layered")))
     return {
+        f"ttft_layered_s_{n}": round(statistics.median(t for t, _ in layered), 4),
+        f"layered_read_fraction_{n}": round(statistics.median(r for _, r in layered), 4),
         f"ttft_recompute_s_{n}": round(statistics.median(recompute), 4),
         f"ttft_memory_s_{n}": round(statistics.median(memory), 4),
         f"ttft_disk_s_{n}": round(statistics.median(disk), 4),
         f"ttft_budget_s_{n}": round(statistics.median(budget), 4),
         f"suffix_compute_s_{n}": round(statistics.median(suffix), 4),
     }
+
+
+def _layered_ttft(lm: Any, prompt: list[int], data_dir: Path) -> tuple[float, float]:
+    """(TTFT, read fraction) at BUDGET from a cold store in the layered layout (query-aware)."""
+    from engine_adapter.engine import Engine
+
+    config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30, layout="layered")
+    with TieredStore(config) as store:
+        Engine(lm, store).prefill(prompt)
+    make_cold(config.lmdb_dir / "data.mdb", drop_all=False)  # type: ignore[operator]
+    with TieredStore(config) as store:
+        engine = Engine(lm, store)
+        elapsed = _ttft(engine, prompt, BUDGET)
+        if engine.last_layered is None or engine.last_layered.error:
+            raise RuntimeError("the layered store did not take the query-aware path")
+        return elapsed, engine.last_layered.read_fraction
 
 
 def _ttft(engine: Any, prompt: list[int], budget: float) -> float:

@@ -14,7 +14,7 @@ PUBLISHED = {
     "lookup_p50_us lookup_p99_us lookup_p50_ms lookup_p99_ms store_grpc_mb_s store_shm_mb_s "
     "store_shm_vs_grpc",
     "ttft": "ttft_speedup_disk_2048 ttft_speedup_budget_2048 top1_budget_0_25 kl_budget_0_25 stats_overhead "
-    "floor_s ttft_vs_floor",
+    "floor_s ttft_vs_floor ttft_speedup_layered_2048",
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5 "

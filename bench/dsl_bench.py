@@ -63,14 +63,15 @@ def _compare(lm: Any, prefix: str, program: str, args: dict[str, str], calls: An
         run_ = ProgramRun(Engine(lm, store), checked, args)
         events = list(run_.events())
         program_s, program_tokens = time.perf_counter() - t0, run_.stats.prefill_tokens
+        program_decoded, program_steps = sum(run_.stats.batch_sizes), run_.stats.decode_steps
         if events[-1].kind != "done":
             raise RuntimeError(f"{program} failed: {events[-1].value}")
-    stateless_s, stateless_tokens = _separate_calls(Engine(lm, None, collect_stats=False), calls)
+    stateless_s, stateless_tokens, _ = _separate_calls(Engine(lm, None, collect_stats=False), calls)
     with (
         tempfile.TemporaryDirectory(dir=Path.home()) as tmp,
         TieredStore(StoreConfig(data_dir=Path(tmp))) as store,
     ):
-        cached_s, cached_tokens = _separate_calls(Engine(lm, store), calls)
+        cached_s, cached_tokens, cached_decoded = _separate_calls(Engine(lm, store), calls)
     return {
         f"{prefix}program_s": round(program_s, 2),
         f"{prefix}stateless_s": round(stateless_s, 2),
@@ -81,19 +82,26 @@ def _compare(lm: Any, prefix: str, program: str, args: dict[str, str], calls: An
         f"{prefix}speedup_vs_stateless": round(stateless_s / program_s, 3),
         f"{prefix}speedup_vs_cached": round(cached_s / program_s, 3),
         f"{prefix}prefill_ratio_vs_stateless": round(program_tokens / stateless_tokens, 3),
+        # Wall times compare only when both decoded about as many tokens (answers may differ).
+        f"{prefix}program_decoded_tokens": program_decoded,
+        f"{prefix}program_decode_steps": program_steps,
+        f"{prefix}cached_decoded_tokens": cached_decoded,
     }
 
 
-def _separate_calls(engine: Any, calls: Any) -> tuple[float, int]:
-    """Run the workflow call by call; each call's prompt depends on earlier answers."""
+def _separate_calls(engine: Any, calls: Any) -> tuple[float, int, int]:
+    """Run the workflow call by call; each call's prompt depends on earlier answers.
+
+    Returns (seconds, prompt tokens computed, tokens decoded)."""
     t0 = time.perf_counter()
-    computed = 0
+    computed = decoded = 0
     answers: list[str] = []
     for build, sampling in calls:
         result = engine.generate(build(answers), sampling)
         computed += result.computed_tokens
+        decoded += len(result.token_ids)
         answers.append(result.text)
-    return time.perf_counter() - t0, computed
+    return time.perf_counter() - t0, computed, decoded
 
 
 def _chatbot_calls(question: str) -> list[Any]:

@@ -58,6 +58,17 @@ class Tier(Protocol):
         """
         ...
 
+    def get_ranges(
+        self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[memoryview] | None:
+        """Byte ranges [start, end) of one encoded record (a layer record's header, its chunks);
+        None if the record is not held. Ranges past the record's end come back short.
+
+        Only the ranges are read (LMDB: those pages of its map; Redis: GETRANGE). The buffers
+        stay valid after the call.
+        """
+        ...
+
     def get_meta(self, key: bytes) -> BlockMeta | None:
         """The metadata of a block, or None."""
         ...

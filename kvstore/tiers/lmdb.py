@@ -175,6 +175,17 @@ class LmdbTier:
             ]
             return self._reader.read(views)  # inside the transaction: no page of it is reused
 
+    def get_ranges(
+        self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[memoryview] | None:
+        """Slices of one value, copied out inside the read transaction: slicing the map's
+        memoryview touches only those pages (a partial read of a layer record)."""
+        with self._env.begin(db=self._chunks_db, buffers=True) as txn:
+            value = txn.get(chunk_key(meta.key, meta.layout_version, index))
+            if value is None:
+                return None
+            return [memoryview(bytes(value[start:end])) for start, end in ranges]
+
     def prefetch(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> None:
         """Have the kernel read these blocks' chunks in the background (posix_fadvise), so a
         load's disk reads overlap the verification and copies of the chunks before them.

@@ -92,6 +92,18 @@ class MemoryTier:
                 out.append(None if buf is None else buf.data)
         return out
 
+    def get_ranges(
+        self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[memoryview] | None:
+        with self._lock:
+            current = self._metas.get(meta.key)
+            same_layout = current is not None and current.layout_version == meta.layout_version
+            buf = self._chunks.get((meta.key, index)) if same_layout else None
+        if buf is None:
+            return None
+        view = buf.data  # read-only and never reused: slices stay valid after an eviction
+        return [view[start:end] for start, end in ranges]
+
     def get_meta(self, key: bytes) -> BlockMeta | None:
         with self._lock:
             return self._metas.get(key)

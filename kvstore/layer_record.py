@@ -54,7 +54,9 @@ class LayerHeader(NamedTuple):
     kv_heads: int
     head_dim: int
     chunk_tokens: int
-    table: Array  # structured (offset, length, checksum) per chunk
+    offsets: list[int]  # per chunk, from the record's start
+    lengths: list[int]  # per chunk, stored bytes
+    checksums: list[int]  # per chunk, xxh3-64 of its stored bytes
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -64,7 +66,7 @@ class LayerHeader(NamedTuple):
     @property
     def num_chunks(self) -> int:
         """Chunks in the record."""
-        return len(self.table)
+        return len(self.offsets)
 
     @property
     def size(self) -> int:
@@ -74,8 +76,7 @@ class LayerHeader(NamedTuple):
     @property
     def total_bytes(self) -> int:
         """Bytes of the whole record."""
-        last = self.table[-1]
-        return int(last["offset"]) + int(last["length"]) if self.num_chunks else self.size
+        return self.offsets[-1] + self.lengths[-1] if self.num_chunks else self.size
 
     def chunk_shape(self) -> tuple[int, int, int, int]:
         """(2, kv_heads, chunk_tokens, head_dim): one decoded chunk."""
@@ -85,7 +86,7 @@ class LayerHeader(NamedTuple):
         """(start, end, chunks) byte ranges covering sorted `chunks`, adjacent chunks merged."""
         runs: list[tuple[int, int, list[int]]] = []
         for c in chunks:
-            start, length = int(self.table[c]["offset"]), int(self.table[c]["length"])
+            start, length = self.offsets[c], self.lengths[c]
             if runs and runs[-1][1] == start:
                 runs[-1] = (runs[-1][0], start + length, [*runs[-1][2], c])
             else:
@@ -157,25 +158,30 @@ def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> Lay
     record_id = ChunkId(fp, ns, key, layout, index)
     if expect is not None and record_id != expect:
         raise ChecksumError(f"layer record identity mismatch: expected {expect}, found {record_id}")
-    table = np.frombuffer(body, _ENTRY, count=n, offset=_HEADER.size).copy()
-    ends = np.concatenate(([size], table["offset"].astype(np.int64) + table["length"]))
-    if (
-        codec_id not in _CODEC_NAMES
-        or dtype_id not in _DTYPE_NAMES
-        or not np.array_equal(ends[:-1], table["offset"])
-    ):
+    words = np.frombuffer(body, "<u4", count=4 * n, offset=_HEADER.size).reshape(n, 4).astype(np.int64)
+    offsets, lengths = words[:, 0], words[:, 1]
+    adjacent = n == 0 or (offsets[0] == size and np.array_equal(offsets[1:], offsets[:-1] + lengths[:-1]))
+    if codec_id not in _CODEC_NAMES or dtype_id not in _DTYPE_NAMES or not adjacent:
         raise ChecksumError(
             "layer record header has an unknown codec or dtype or a table that does not add up"
         )
     return LayerHeader(
-        record_id, _CODEC_NAMES[codec_id], _DTYPE_NAMES[dtype_id], heads, dim, chunk_tokens, table
+        record_id,
+        _CODEC_NAMES[codec_id],
+        _DTYPE_NAMES[dtype_id],
+        heads,
+        dim,
+        chunk_tokens,
+        offsets.tolist(),
+        lengths.tolist(),
+        np.frombuffer(body, "<u8", count=2 * n, offset=_HEADER.size)[1::2].tolist(),
     )
 
 
 def decode_run(
     header: LayerHeader, data: bytes | memoryview, chunks: Sequence[int], trusted: bool = False
 ) -> Array:
-    """Decode adjacent chunks `chunks` whose stored bytes are `data` (one range of `ranges`):
+    """Decode adjacent, ascending chunks `chunks` whose stored bytes are `data` (one range of `ranges`):
     (len(chunks), 2, kv_heads, chunk_tokens, head_dim). Each chunk's checksum is verified
     unless `trusted` (buffers the memory tier holds, written by this process).
 
@@ -183,8 +189,8 @@ def decode_run(
         ChecksumError: a length or checksum mismatch, or a payload that does not decompress.
     """
     view = memoryview(data)
-    base = int(header.table[chunks[0]]["offset"]) if chunks else 0
-    expected = sum(int(header.table[c]["length"]) for c in chunks)
+    base = header.offsets[chunks[0]] if chunks else 0
+    expected = header.offsets[chunks[-1]] + header.lengths[chunks[-1]] - base if chunks else 0
     if len(view) != expected:
         raise ChecksumError(f"layer record chunks {list(chunks)}: {len(view)} bytes, expected {expected}")
     shape = header.chunk_shape()
@@ -194,8 +200,8 @@ def decode_run(
         return np.frombuffer(view, header.dtype).reshape(len(chunks), *shape)
     out = np.empty((len(chunks), *shape), header.dtype)
     for i, c in enumerate(chunks):
-        start = int(header.table[c]["offset"]) - base
-        part = view[start : start + int(header.table[c]["length"])]
+        start = header.offsets[c] - base
+        part = view[start : start + header.lengths[c]]
         if not trusted:
             _verify(header, part, start + base, [c])
         out[i] = _decompress_unshuffle(part, header.dtype.itemsize).view(header.dtype).reshape(shape)
@@ -203,15 +209,17 @@ def decode_run(
 
 
 def decode_layer_record(
-    data: bytes | memoryview, expect: ChunkId | None = None, trusted: bool = False
-) -> tuple[LayerHeader, Array]:
+    data: bytes | memoryview, expect: ChunkId | None = None, trusted: bool = False,
+    header: LayerHeader | None = None,
+) -> tuple[LayerHeader, Array]:  # fmt: skip
     """Verify and decode a whole record: its header and (num_chunks, 2, kv_heads, chunk_tokens,
-    head_dim) chunks (a read-only view of `data` for raw records).
+    head_dim) chunks (a read-only view of `data` for raw records). `header`: this record's
+    header, already verified (a trusted record's, kept by the caller), is not parsed again.
 
     Raises:
         ChecksumError: as `parse_header` and `decode_run`, or trailing bytes.
     """
-    header = parse_header(data, expect)
+    header = parse_header(data, expect) if header is None else header
     view = memoryview(data)
     if len(view) != header.total_bytes:
         raise ChecksumError(f"layer record is {len(view)} bytes, its header says {header.total_bytes}")
@@ -239,7 +247,6 @@ def is_layer_record(data: bytes | memoryview) -> bool:
 def _verify(header: LayerHeader, view: memoryview, base: int, chunks: Sequence[int]) -> None:
     """Check the checksums of `chunks`, whose bytes lie in `view` from record offset `base`."""
     for c in chunks:
-        start = int(header.table[c]["offset"]) - base
-        part = view[start : start + int(header.table[c]["length"])]
-        if xxhash.xxh3_64_intdigest(part) != int(header.table[c]["checksum"]):
+        start = header.offsets[c] - base
+        if xxhash.xxh3_64_intdigest(view[start : start + header.lengths[c]]) != header.checksums[c]:
             raise ChecksumError(f"layer record chunk {c} checksum mismatch")

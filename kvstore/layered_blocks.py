@@ -70,23 +70,28 @@ def load_units(
     fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int]
 ) -> list[LoadedChunk] | None:
     """One all-layer `LoadedChunk` per unit (chunk u of every layer), bit-exact, or None if a
-    layer record is in no tier. Each layer record is read whole when the load needs more than
-    `WHOLE_RECORD_SHARE` of its chunks (and then promoted to memory), else as its header and
-    the chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record.
+    layer record is in no tier. Each layer record is read whole when memory holds them all (a
+    view: nothing is copied but the chosen chunks) or when the load needs more than
+    `WHOLE_RECORD_SHARE` of its chunks (then promoted to memory), else as its header and the
+    chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record.
 
     A unit's `nbytes` are its chunks' stored bytes; the first unit also carries what was read
-    beside them (headers, and the other chunks of a record read whole); its tier is the
-    slowest one a part came from.
+    beside them (headers, and the other chunks of a record read whole from a slower tier);
+    its tier is the slowest one a part came from.
     """
     if not units:
         return []
     layers, c = meta.num_layers, meta.chunk_tokens
     order = np.asarray(units, dtype=np.int64)
-    whole = len(set(units)) > WHOLE_RECORD_SHARE * meta.chunks_per_layer
-    parts = fetcher.whole_records(meta, _layer_indices(meta)) if whole else None
+    indices = _layer_indices(meta)
+    whole = len(set(units)) > WHOLE_RECORD_SHARE * meta.chunks_per_layer or fetcher.all_in_memory(
+        meta, indices
+    )
+    parts = fetcher.whole_records(meta, indices) if whole else None
+    in_order = len(units) == meta.chunks_per_layer and bool(np.all(order == np.arange(len(units))))
     out: Array | None = None
-    per_unit = np.zeros(len(units), np.int64)
-    extra = 0
+    lengths: list[list[int]] = []
+    read = 0
     tiers: set[str] = set()
     for layer in range(layers):
         if whole:
@@ -95,26 +100,21 @@ def load_units(
             got = _ranged_layer(fetcher, meta, layer, order)
         if got is None:
             return None
-        chunks, lengths, read, tier = got
+        chunks, layer_lengths, layer_read, tier = got
         if out is None:
             out = np.empty((len(units), layers, *chunks.shape[1:]), chunks.dtype)
-        out[:, layer] = chunks
-        per_unit += lengths
-        extra += read - int(lengths.sum())
+        out[:, layer] = chunks if in_order else chunks[order]  # one copy of the chosen chunks
+        lengths.append(layer_lengths)
+        read += layer_read
         tiers.add(tier)
     assert out is not None
     tier = next((t for t in tiers if t != "memory"), "memory")
-    per_unit[0] += extra
+    per_unit = np.asarray(lengths, np.int64)[:, order].sum(axis=0)
+    per_unit[0] += read - int(per_unit.sum())
+    positions = meta.start + order[:, None] * c + np.arange(c, dtype=np.int64)
     return [
-        LoadedChunk(
-            block_index,
-            int(u),
-            meta.start + int(u) * c + np.arange(c, dtype=np.int64),
-            out[i],
-            tier,
-            int(per_unit[i]),
-        )
-        for i, u in enumerate(order)
+        LoadedChunk(block_index, u, positions[i], out[i], tier, nbytes)
+        for i, (u, nbytes) in enumerate(zip(order.tolist(), per_unit.tolist(), strict=True))
     ]
 
 
@@ -122,9 +122,9 @@ def _layer_indices(meta: BlockMeta) -> list[int]:
     return [meta.record_index(layer, 0) for layer in range(meta.num_layers)]
 
 
-LayerPart = tuple[
-    Array, Array, int, str
-]  # chunks (units, 2, heads, c, dim), stored lengths, bytes read, tier
+# chunks (all of the record's, 2, heads, c, dim; only the chosen ones valid), every chunk's
+# stored length, bytes read, tier
+LayerPart = tuple[Array, list[int], int, str]
 
 
 def _whole_layer(
@@ -134,9 +134,14 @@ def _whole_layer(
     if parts is None:
         return None
     fetched, index = parts[layer], meta.record_index(layer, 0)
-    header, chunks = decode_layer_record(fetched.data, meta.chunk_id(index), fetched.trusted)
+    known = fetcher.known_header(meta, index, fetched)
+    header, chunks = decode_layer_record(fetched.data, meta.chunk_id(index), fetched.trusted, known)
     fetcher.promote(meta, index, fetched, header, chunks)
-    return chunks[order], header.table["length"][order].astype(np.int64), len(fetched.data), fetched.tier
+    # memory hands out a view: only the header and the chosen chunks are touched
+    read = (
+        header.size + sum(header.lengths[u] for u in order.tolist()) if fetched.trusted else len(fetched.data)
+    )
+    return chunks, header.lengths, read, fetched.tier
 
 
 def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Array) -> LayerPart | None:
@@ -151,10 +156,9 @@ def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Ar
     body = fetcher.ranges(meta, index, [(start, end) for start, end, _ in runs], only=head.tier)
     if body is None:
         return None
-    decoded = {}
+    # indexed by chunk number, as a whole record's chunks are (np.empty: the rest is never touched)
+    chunks = np.empty((meta.chunks_per_layer, *header.chunk_shape()), header.dtype)
     for (_, _, members), data in zip(runs, body.data, strict=True):
-        for c, kv in zip(members, decode_run(header, data, members, head.trusted), strict=True):
-            decoded[c] = kv
-    chunks = np.stack([decoded[int(u)] for u in order])
+        chunks[members[0] : members[-1] + 1] = decode_run(header, data, members, head.trusted)
     read = header.size + sum(end - start for start, end, _ in runs)
-    return chunks, header.table["length"][order].astype(np.int64), read, head.tier.name
+    return chunks, header.lengths, read, head.tier.name

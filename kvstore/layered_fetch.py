@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from kvstore.mover import BlockMover
 
 
+_MAX_HEADERS = 1 << 16  # parsed headers kept (a few hundred bytes each)
+
+
 class Fetched(NamedTuple):
     """One record read whole: its bytes, the tier it came from, whether it needs no checksum."""
 
@@ -48,6 +51,25 @@ class RecordFetcher:
 
     def __init__(self, mover: BlockMover, index: StoreIndex, counters: Counters) -> None:
         self._mover, self._index, self._counters = mover, index, counters
+        # Headers of records memory holds, parsed once: memory holds the raw encoding of a record,
+        # the same bytes whenever it is promoted again, under a key that names block, layout, index.
+        self._headers: dict[tuple[bytes, int, int], LayerHeader] = {}
+
+    def known_header(self, meta: BlockMeta, index: int, fetched: Fetched) -> LayerHeader | None:
+        """The parsed header of a record memory holds (parsed and kept on first use), else None."""
+        if not fetched.trusted:
+            return None
+        key = (meta.key, meta.layout_version, index)
+        header = self._headers.get(key)
+        if header is None:
+            if len(self._headers) >= _MAX_HEADERS:
+                self._headers.clear()
+            header = self._headers[key] = parse_header(fetched.data, meta.chunk_id(index))
+        return header
+
+    def all_in_memory(self, meta: BlockMeta, indices: Sequence[int]) -> bool:
+        """Whether memory holds every record `indices` (then reading them whole copies nothing)."""
+        return all(self._mover.memory.has_chunk(meta.key, i) for i in indices)
 
     def whole_records(self, meta: BlockMeta, indices: Sequence[int]) -> list[Fetched] | None:
         """Records `indices` of a block, fastest tier first; None if one is in no tier."""

@@ -36,7 +36,12 @@ def test_round_trip_whole_and_by_ranges(codec: str) -> None:
     kv = _kv()
     data = encode_layer_record(CID, kv, "float16", C, codec)
     header, chunks = decode_layer_record(data, CID)
-    assert (header.codec, header.num_chunks, header.record_id, header.dtype) == (codec, TOKENS // C, CID, np.float16)
+    assert (header.codec, header.num_chunks, header.record_id, header.dtype) == (
+        codec,
+        TOKENS // C,
+        CID,
+        np.float16,
+    )
     assert header.total_bytes == len(data) and header.size == header_bytes(TOKENS // C)
     for c in range(TOKENS // C):
         np.testing.assert_array_equal(chunks[c], _chunk(kv, c))

@@ -59,7 +59,7 @@ def _one_run(layout: str, tokens: np.ndarray, kv: np.ndarray, rng: np.random.Gen
     mb = kv.nbytes / 1e6
     scores = rng.random(len(tokens)).astype(np.float32)
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
-        config = StoreConfig(data_dir=Path(tmp), memory_bytes=4 << 30, layout=layout)  # type: ignore[arg-type]
+        config = StoreConfig(data_dir=Path(tmp), memory_bytes=4 << 30, layout=layout)
         with TieredStore(config) as store:
             start = time.perf_counter()
             store.store(tokens, kv, model=MODEL, scores=scores)

@@ -13,6 +13,8 @@ from typing import NamedTuple, Protocol
 from kvstore.keys import chunk_key as chunk_key  # re-export (old home)
 from kvstore.meta import BlockMeta
 
+Span = tuple[int, int]  # a byte range [start, end) of one record
+
 
 class TierUsage(NamedTuple):
     """Occupancy of a tier, in bytes of encoded chunks (metadata excluded)."""
@@ -58,9 +60,7 @@ class Tier(Protocol):
         """
         ...
 
-    def get_ranges(
-        self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]
-    ) -> list[memoryview] | None:
+    def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
         """Byte ranges [start, end) of one encoded record (a layer record's header, its chunks);
         None if the record is not held. Ranges past the record's end come back short.
 

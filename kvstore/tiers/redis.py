@@ -32,7 +32,7 @@ from redis.retry import Retry
 
 from kvstore.errors import ChecksumError, RemoteUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierUsage
+from kvstore.tiers.base import Span, TierUsage
 from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
 
 T = TypeVar("T")
@@ -150,13 +150,11 @@ class RedisTier:
             out.append([None if v is None else memoryview(v) for v in values])
         return out
 
-    def get_ranges(
-        self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]
-    ) -> list[memoryview] | None:
-        key = self._ckey(meta.key, meta.layout_version, index)
-        commands = [(meta.key, ("EXISTS", key))]  # GETRANGE of an absent key reads as empty
-        commands += [(meta.key, ("GETRANGE", key, a, b - 1)) for a, b in ranges if b > a]
-        replies = self._pipelined(commands)
+    def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
+        key = self._ckey(meta.key, meta.layout_version, index)  # (GETRANGE of an absent key reads "")
+        reads: list[tuple[Any, ...]] = [("EXISTS", key)]
+        reads += [("GETRANGE", key, a, b - 1) for a, b in ranges if b > a]
+        replies = self._pipelined([(meta.key, command) for command in reads])
         if any(r is _MISS for r in replies) or not replies[0]:
             return None
         values = iter(replies[1:])  # (an empty range sent no command)

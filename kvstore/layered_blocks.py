@@ -91,7 +91,7 @@ def load_units(
     in_order = len(units) == meta.chunks_per_layer and bool(np.all(order == np.arange(len(units))))
     out: Array | None = None
     lengths: list[list[int]] = []
-    read = 0
+    read = 0  # bytes read beside the chosen chunks
     tiers: set[str] = set()
     for layer in range(layers):
         if whole:
@@ -100,20 +100,23 @@ def load_units(
             got = _ranged_layer(fetcher, meta, layer, order)
         if got is None:
             return None
-        chunks, layer_lengths, layer_read, tier = got
+        chunks, layer_lengths, overhead, tier = got
         if out is None:
-            out = np.empty((len(units), layers, *chunks.shape[1:]), chunks.dtype)
-        out[:, layer] = chunks if in_order else chunks[order]  # one copy of the chosen chunks
+            out = np.empty((layers, len(units), *chunks.shape[1:]), chunks.dtype)
+        if in_order:  # one copy of the chosen chunks, into contiguous memory
+            out[layer] = chunks
+        else:
+            np.take(chunks, order, axis=0, out=out[layer], mode="clip")  # (raise: buffered, slower)
         lengths.append(layer_lengths)
-        read += layer_read
+        read += overhead
         tiers.add(tier)
     assert out is not None
     tier = next((t for t in tiers if t != "memory"), "memory")
     per_unit = np.asarray(lengths, np.int64)[:, order].sum(axis=0)
-    per_unit[0] += read - int(per_unit.sum())
+    per_unit[0] += read
     positions = meta.start + order[:, None] * c + np.arange(c, dtype=np.int64)
     return [
-        LoadedChunk(block_index, u, positions[i], out[i], tier, nbytes)
+        LoadedChunk(block_index, u, positions[i], out[:, i], tier, nbytes)
         for i, (u, nbytes) in enumerate(zip(order.tolist(), per_unit.tolist(), strict=True))
     ]
 
@@ -123,7 +126,7 @@ def _layer_indices(meta: BlockMeta) -> list[int]:
 
 
 # chunks (all of the record's, 2, heads, c, dim; only the chosen ones valid), every chunk's
-# stored length, bytes read, tier
+# stored length, bytes read beside the chosen chunks (headers, unchosen chunks), tier
 LayerPart = tuple[Array, list[int], int, str]
 
 
@@ -135,13 +138,17 @@ def _whole_layer(
         return None
     fetched, index = parts[layer], meta.record_index(layer, 0)
     known = fetcher.known_header(meta, index, fetched)
+    if known is not None and known.codec == "raw" and len(fetched.data) == known.total_bytes:
+        # the hot path (a record memory holds, header known): a view of the chunks, nothing checked
+        shape = (known.num_chunks, *known.chunk_shape())
+        chunks = np.frombuffer(fetched.data, known.dtype, offset=known.size).reshape(shape)
+        return chunks, known.lengths, known.size, fetched.tier
     header, chunks = decode_layer_record(fetched.data, meta.chunk_id(index), fetched.trusted, known)
     fetcher.promote(meta, index, fetched, header, chunks)
-    # memory hands out a view: only the header and the chosen chunks are touched
-    read = (
-        header.size + sum(header.lengths[u] for u in order.tolist()) if fetched.trusted else len(fetched.data)
-    )
-    return chunks, header.lengths, read, fetched.tier
+    if fetched.trusted:  # memory hands out a view: only the header and the chosen chunks are touched
+        return chunks, header.lengths, header.size, fetched.tier
+    chosen = sum(header.lengths[u] for u in set(order.tolist()))
+    return chunks, header.lengths, len(fetched.data) - chosen, fetched.tier
 
 
 def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Array) -> LayerPart | None:
@@ -160,5 +167,4 @@ def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Ar
     chunks = np.empty((meta.chunks_per_layer, *header.chunk_shape()), header.dtype)
     for (_, _, members), data in zip(runs, body.data, strict=True):
         chunks[members[0] : members[-1] + 1] = decode_run(header, data, members, head.trusted)
-    read = header.size + sum(end - start for start, end, _ in runs)
-    return chunks, header.lengths, read, head.tier.name
+    return chunks, header.lengths, header.size, head.tier.name  # the ranges hold just the chosen chunks

@@ -167,9 +167,12 @@ def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
             assert counters[f"chunk_hits.{expected_tier}"] == 1
         for _ in range(2):  # one chunk of block 1: header and chunk ranges, never promoted
             with store.open_layers(toks, model=TINY) as load:
+                chunk_bytes = 2 * TINY.num_kv_heads * C * TINY.head_dim * 2
                 np.testing.assert_array_equal(load.read_layer(0, [5]).kv, kv[0][:, :, 40:48])
-                assert load.bytes_read == header_bytes(B // C) + 2 * TINY.num_kv_heads * C * TINY.head_dim * 2
-        assert store.stats().counters["chunk_hits.lmdb"] == 1 + 2
+                assert load.bytes_read == header_bytes(B // C) + chunk_bytes
+                np.testing.assert_array_equal(load.read_layer(0, [6]).kv, kv[0][:, :, 48:56])
+                assert load.bytes_read == header_bytes(B // C) + 2 * chunk_bytes  # the header is kept
+        assert store.stats().counters["chunk_hits.lmdb"] == 1 + 2  # a hit per header read
         assert not store.memory.has_chunk(_metas(store, toks)[1].key, TINY.num_layers)
 
 

@@ -57,26 +57,14 @@ class LayerHeader(NamedTuple):
     offsets: list[int]  # per chunk, from the record's start
     lengths: list[int]  # per chunk, stored bytes
     checksums: list[int]  # per chunk, xxh3-64 of its stored bytes
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        """The numpy dtype of the KV."""
-        return numpy_dtype(self.dtype_name)
+    size: int  # bytes of header, table and header checksum
+    total_bytes: int  # bytes of the whole record
+    dtype: np.dtype[Any]  # the numpy dtype of the KV
 
     @property
     def num_chunks(self) -> int:
         """Chunks in the record."""
         return len(self.offsets)
-
-    @property
-    def size(self) -> int:
-        """Bytes of header, table and header checksum."""
-        return header_bytes(self.num_chunks)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the whole record."""
-        return self.offsets[-1] + self.lengths[-1] if self.num_chunks else self.size
 
     def chunk_shape(self) -> tuple[int, int, int, int]:
         """(2, kv_heads, chunk_tokens, head_dim): one decoded chunk."""
@@ -175,6 +163,9 @@ def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> Lay
         offsets.tolist(),
         lengths.tolist(),
         np.frombuffer(body, "<u8", count=2 * n, offset=_HEADER.size)[1::2].tolist(),
+        size,
+        int(offsets[-1] + lengths[-1]) if n else size,
+        numpy_dtype(_DTYPE_NAMES[dtype_id]),
     )
 
 

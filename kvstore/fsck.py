@@ -30,6 +30,7 @@ from kvstore.errors import (
     StorageUnavailableError,
 )
 from kvstore.keys import ROOT_KEY, parse_chunk_key
+from kvstore.layer_record import decode_layer_record
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.progress import progress_bar
@@ -201,10 +202,18 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
         total += len(data)
         expect = meta.chunk_id(index)
         summary = meta.is_layered and index < meta.num_layers  # kvstore/layered_blocks.py
+        layer_record = meta.is_layered and not summary
         try:
-            decode_summary(data, expect) if summary else decode_chunk(data, expect)
+            if summary:
+                decode_summary(data, expect)
+            elif layer_record:  # header and every chunk's checksum
+                decode_layer_record(data, expect)
+            else:
+                decode_chunk(data, expect)
         except ChecksumError as exc:
             what = f"summary {index} (layer {index})" if summary else f"chunk {index}"
+            if layer_record:
+                what = f"layer record {index} (layer {index - meta.num_layers})"
             problems.append(FsckProblem(meta.key.hex(), "bad-chunk", f"{what}: {exc}"))
     if not problems and total != meta.nbytes:
         problems.append(

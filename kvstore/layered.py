@@ -3,9 +3,10 @@
 `open_layered` takes the leading run of matched blocks stored in the layered layout
 (kvstore/layered_blocks.py) and pins them until the load is closed. `key_summary`
 reads one summary record per block of a layer (fastest tier first, promoted to
-memory); `read_layer` reads the chosen per-layer chunks through the mover (one
-batched read per block). A record that fails its checksum makes the store forget
-its block (as `load` does) and raises ChecksumError.
+memory); `read_layer` reads the chosen chunks of each block's layer record: the whole
+record (promoted) when it wants most of them, else the record's header (verified and
+kept for the load's lifetime) and the chunks' byte ranges (not promoted). A record
+that fails its checksum makes the store forget its block (as `load` does) and raises ChecksumError.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import numpy as np
 from importance.lowbit import LowBitKeys, dequantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
+from kvstore.layer_record import LayerHeader, decode_layer_record, decode_run, header_bytes, parse_header
+from kvstore.layered_blocks import WHOLE_RECORD_SHARE
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
-from kvstore.results import Array, LoadedChunk
+from kvstore.results import Array
 from kvstore.stats import Counters
 from kvstore.summary import DecodedSummary, decode_summary, summary_record_bytes
 from radix import MatchResult
@@ -29,6 +32,7 @@ from radix import MatchResult
 if TYPE_CHECKING:
     from kvstore.index import StoreIndex
     from kvstore.mover import BlockMover
+    from kvstore.tiers import Tier
 
 
 def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
@@ -87,6 +91,7 @@ class LocalLayeredLoad:
         self._summaries: dict[int, Array] = {}
         self._lowbit: dict[int, LowBitKeys] = {}
         self._pinned: list[bytes] | None = [m.key for m in metas]
+        self._headers: dict[tuple[int, int], tuple[LayerHeader, Tier]] = {}  # (block, layer): verified
 
     @property
     def delivered_fraction(self) -> float:
@@ -115,23 +120,28 @@ class LocalLayeredLoad:
         return self._lowbit[layer]
 
     def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
-        """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim)."""
+        """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim).
+
+        Per block, the layer record is read whole when more than half of its chunks are
+        wanted, else as its header (read once per load) and the chunks' byte ranges.
+        """
         self._check_layer(layer)
         wanted = self._check_chunks(chunks)
         per_block = self._metas[0].chunks_per_layer if self._metas else 1
-        read: list[LoadedChunk] = []
+        kvs: list[Array] = []
+        positions: list[Array] = []
         for block_index, meta in enumerate(self._metas):
             mine = [c - block_index * per_block for c in wanted if c // per_block == block_index]
             if mine:
-                read += self._read_chunks(meta, block_index, [meta.record_index(layer, c) for c in mine])
+                kvs.append(self._read_block_layer(meta, block_index, layer, mine))
+                positions += [meta.start + c * meta.chunk_tokens + np.arange(meta.chunk_tokens) for c in mine]
         self._layers_read.add(layer)
-        self.bytes_read += sum(c.nbytes for c in read)
-        self.delivered_tokens += sum(len(c.positions) for c in read)
-        if not read:
+        if not kvs:
             shape = (2, self._model.num_kv_heads, 0, self._model.head_dim)
             return LayerSlice(np.zeros(0, np.int64), np.zeros(shape, self._model.np_dtype))
-        positions = np.concatenate([c.positions for c in read]).astype(np.int64)
-        return LayerSlice(positions, np.concatenate([c.kv[0] for c in read], axis=2))
+        kv = np.concatenate(kvs, axis=2)
+        self.delivered_tokens += kv.shape[2]
+        return LayerSlice(np.concatenate(positions).astype(np.int64), kv)
 
     def close(self) -> None:
         """Release the pin. Idempotent."""
@@ -165,16 +175,52 @@ class LocalLayeredLoad:
             raise InvalidInputError(f"chunks must not repeat an index, got {sorted(values)}")
         return sorted(int(c) for c in values)
 
-    def _read_chunks(self, meta: BlockMeta, block_index: int, records: list[int]) -> list[LoadedChunk]:
+    def _read_block_layer(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array:
+        """Sorted local chunks `mine` of one block's layer record: (2, kv_heads, n * c, head_dim)."""
         try:
-            found = self._mover.read_records(meta, block_index, records)
+            chunks = self._layer_chunks(meta, block_index, layer, mine)
         except ChecksumError as exc:
             self._lose(meta, "checksum_failures")
             raise ChecksumError(f"block {meta.key.hex()}: {exc}") from exc
-        if found is None:
+        if chunks is None:
             self._lose(meta, "chunk_misses")
-            raise NotFoundError(f"block {meta.key.hex()}: a chunk of records {records} is in no tier")
-        return found
+            raise NotFoundError(f"block {meta.key.hex()}: the record of layer {layer} is in no tier")
+        n, _, heads, c, dim = chunks.shape
+        return chunks.transpose(1, 2, 0, 3, 4).reshape(2, heads, n * c, dim)
+
+    def _layer_chunks(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array | None:
+        index, fetcher = meta.record_index(layer, 0), self._mover.layer_records
+        if len(mine) > WHOLE_RECORD_SHARE * meta.chunks_per_layer:
+            found = fetcher.whole_records(meta, [index])
+            if found is None:
+                return None
+            header, chunks = decode_layer_record(found[0].data, meta.chunk_id(index), found[0].trusted)
+            fetcher.promote(meta, index, found[0], header, chunks)
+            self.bytes_read += len(found[0].data)
+            return chunks[mine]
+        for _attempt in range(2):  # a cached header's tier may have dropped the record since
+            cached = self._headers.get((block_index, layer))
+            if cached is None:
+                head = fetcher.ranges(meta, index, [(0, header_bytes(meta.chunks_per_layer))])
+                if head is None:
+                    return None
+                cached = self._headers[(block_index, layer)] = (
+                    parse_header(head.data[0], meta.chunk_id(index)),
+                    head.tier,
+                )
+                self.bytes_read += cached[0].size
+            header, tier = cached
+            runs = header.ranges(mine)
+            body = fetcher.ranges(meta, index, [(start, end) for start, end, _ in runs], only=tier)
+            if body is None:
+                del self._headers[(block_index, layer)]
+                continue
+            self.bytes_read += sum(len(d) for d in body.data)
+            trusted = body.trusted
+            return np.concatenate(
+                [decode_run(header, d, m, trusted) for (_, _, m), d in zip(runs, body.data, strict=True)]
+            )
+        return None
 
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
         """One summary record, fastest tier first, verified; promoted to memory from a slower tier."""

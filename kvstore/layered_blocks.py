@@ -3,13 +3,12 @@
 A layered block (docs/importance.md, "Layered layout") stores, by record index:
 
 - 0 .. layers-1: the 2-bit key summary of layer L (kvstore/summary.py);
-- layers + L * chunks_per_layer + c: chunk c of layer L, an ordinary chunk
-  (kvstore/codec.py) with one layer and the `chunk_tokens` positions
-  [c * chunk_tokens, (c + 1) * chunk_tokens) of the block, in prompt order.
+- layers + L: the layer record of layer L (kvstore/layer_record.py): all its chunks of
+  `chunk_tokens` positions, in prompt order, each one addressable by byte range.
 
-A layer's chunks are adjacent on disk. The tiers store records by (block key,
-layout version, index) and need not know which kind a record is. A normal
-`load` selects units: chunk c of every layer, joined into one all-layer chunk.
+The tiers store records by (block key, layout version, index) and need not know which
+kind a record is. A normal `load` selects units: chunk c of every layer, joined into
+one all-layer chunk (`load_units`).
 """
 
 from __future__ import annotations
@@ -18,10 +17,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.codec import encode_chunk, reencode_raw
+from kvstore.codec import reencode_raw
+from kvstore.layer_record import (
+    decode_layer_record,
+    decode_run,
+    encode_layer_record,
+    header_bytes,
+    is_layer_record,
+    parse_header,
+    raw_layer_record,
+)
+from kvstore.layered_fetch import Fetched, RecordFetcher
 from kvstore.meta import BlockMeta
 from kvstore.results import Array, LoadedChunk
 from kvstore.summary import encode_summary, is_summary
+
+# A load reads a layer record whole when it needs more than this share of its chunks, else by ranges.
+WHOLE_RECORD_SHARE = 0.5
 
 
 def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
@@ -33,40 +45,126 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
         dtype: the model's dtype name; codec and zstd_level: as kvstore.codec.encode_chunk.
     """
     records = [encode_summary(meta.chunk_id(layer), kv[layer, 0]) for layer in range(meta.num_layers)]
-    c = meta.chunk_tokens
     for layer in range(meta.num_layers):
-        for chunk in range(meta.chunks_per_layer):
-            offsets = np.arange(chunk * c, (chunk + 1) * c, dtype=np.int64)
-            cid = meta.chunk_id(meta.record_index(layer, chunk))
-            part = kv[layer : layer + 1, :, :, chunk * c : (chunk + 1) * c]
-            records.append(encode_chunk(cid, meta.start + offsets, part, dtype, codec, zstd_level))
+        cid = meta.chunk_id(meta.record_index(layer, 0))
+        records.append(encode_layer_record(cid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level))
     return records
 
 
 def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
     """Record indices a load of `units` reads: the units themselves, or for a layered block
-    chunk u of every layer, unit by unit (layer order inside a unit)."""
+    every layer record (a unit is one chunk of every layer)."""
     if not meta.is_layered:
         return list(units)
-    return [meta.record_index(layer, u) for u in units for layer in range(meta.num_layers)]
-
-
-def join_layers(
-    meta: BlockMeta, block_index: int, units: Sequence[int], records: Sequence[LoadedChunk]
-) -> list[LoadedChunk]:
-    """One all-layer `LoadedChunk` per unit from its per-layer chunks (as `stored_records` ordered
-    them); its tier is the slowest one a part came from."""
-    layers = meta.num_layers
-    joined = []
-    for i, unit in enumerate(units):
-        parts = records[i * layers : (i + 1) * layers]
-        kv = np.concatenate([p.kv for p in parts], axis=0)
-        tier = next((p.tier for p in parts if p.tier != "memory"), parts[0].tier)
-        nbytes = sum(p.nbytes for p in parts)
-        joined.append(LoadedChunk(block_index, unit, parts[0].positions, kv, tier, nbytes))
-    return joined
+    return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
 
 
 def memory_record(data: bytes, dtype: str) -> bytes:
     """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as is."""
-    return data if is_summary(data) else reencode_raw(data, dtype)
+    if is_summary(data):
+        return data
+    return raw_layer_record(data) if is_layer_record(data) else reencode_raw(data, dtype)
+
+
+def load_units(
+    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int]
+) -> list[LoadedChunk] | None:
+    """One all-layer `LoadedChunk` per unit (chunk u of every layer), bit-exact, or None if a
+    layer record is in no tier. Each layer record is read whole when memory holds them all (a
+    view: nothing is copied but the chosen chunks) or when the load needs more than
+    `WHOLE_RECORD_SHARE` of its chunks (then promoted to memory), else as its header and the
+    chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record.
+
+    A unit's `nbytes` are its chunks' stored bytes; the first unit also carries what was read
+    beside them (headers, and the other chunks of a record read whole from a slower tier);
+    its tier is the slowest one a part came from.
+    """
+    if not units:
+        return []
+    layers, c = meta.num_layers, meta.chunk_tokens
+    order = np.asarray(units, dtype=np.int64)
+    indices = _layer_indices(meta)
+    whole = len(set(units)) > WHOLE_RECORD_SHARE * meta.chunks_per_layer or fetcher.all_in_memory(
+        meta, indices
+    )
+    parts = fetcher.whole_records(meta, indices) if whole else None
+    in_order = len(units) == meta.chunks_per_layer and bool(np.all(order == np.arange(len(units))))
+    out: Array | None = None
+    lengths: list[list[int]] = []
+    read = 0  # bytes read beside the chosen chunks
+    tiers: set[str] = set()
+    for layer in range(layers):
+        if whole:
+            got = _whole_layer(fetcher, meta, layer, parts, order)
+        else:
+            got = _ranged_layer(fetcher, meta, layer, order)
+        if got is None:
+            return None
+        chunks, layer_lengths, overhead, tier = got
+        if out is None:
+            out = np.empty((layers, len(units), *chunks.shape[1:]), chunks.dtype)
+        if in_order:  # one copy of the chosen chunks, into contiguous memory
+            out[layer] = chunks
+        else:
+            np.take(chunks, order, axis=0, out=out[layer], mode="clip")  # (raise: buffered, slower)
+        lengths.append(layer_lengths)
+        read += overhead
+        tiers.add(tier)
+    assert out is not None
+    tier = next((t for t in tiers if t != "memory"), "memory")
+    per_unit = np.asarray(lengths, np.int64)[:, order].sum(axis=0)
+    per_unit[0] += read
+    positions = meta.start + order[:, None] * c + np.arange(c, dtype=np.int64)
+    return [
+        LoadedChunk(block_index, u, positions[i], out[:, i], tier, nbytes)
+        for i, (u, nbytes) in enumerate(zip(order.tolist(), per_unit.tolist(), strict=True))
+    ]
+
+
+def _layer_indices(meta: BlockMeta) -> list[int]:
+    return [meta.record_index(layer, 0) for layer in range(meta.num_layers)]
+
+
+# chunks (all of the record's, 2, heads, c, dim; only the chosen ones valid), every chunk's
+# stored length, bytes read beside the chosen chunks (headers, unchosen chunks), tier
+LayerPart = tuple[Array, list[int], int, str]
+
+
+def _whole_layer(
+    fetcher: RecordFetcher, meta: BlockMeta, layer: int, parts: list[Fetched] | None, order: Array
+) -> LayerPart | None:
+    """The chosen chunks of a layer record read whole: verified, then promoted to memory."""
+    if parts is None:
+        return None
+    fetched, index = parts[layer], meta.record_index(layer, 0)
+    known = fetcher.known_header(meta, index, fetched)
+    if known is not None and known.codec == "raw" and len(fetched.data) == known.total_bytes:
+        # the hot path (a record memory holds, header known): a view of the chunks, nothing checked
+        shape = (known.num_chunks, *known.chunk_shape())
+        chunks = np.frombuffer(fetched.data, known.dtype, offset=known.size).reshape(shape)
+        return chunks, known.lengths, known.size, fetched.tier
+    header, chunks = decode_layer_record(fetched.data, meta.chunk_id(index), fetched.trusted, known)
+    fetcher.promote(meta, index, fetched, header, chunks)
+    if fetched.trusted:  # memory hands out a view: only the header and the chosen chunks are touched
+        return chunks, header.lengths, header.size, fetched.tier
+    chosen = sum(header.lengths[u] for u in set(order.tolist()))
+    return chunks, header.lengths, len(fetched.data) - chosen, fetched.tier
+
+
+def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Array) -> LayerPart | None:
+    """The header range, then the chosen chunks' ranges (adjacent ones merged), from one tier."""
+    index = meta.record_index(layer, 0)
+    head = fetcher.ranges(meta, index, [(0, header_bytes(meta.chunks_per_layer))])
+    if head is None:
+        return None
+    header = parse_header(head.data[0], meta.chunk_id(index))
+    wanted = sorted(set(order.tolist()))
+    runs = header.ranges(wanted)
+    body = fetcher.ranges(meta, index, [(start, end) for start, end, _ in runs], only=head.tier)
+    if body is None:
+        return None
+    # indexed by chunk number, as a whole record's chunks are (np.empty: the rest is never touched)
+    chunks = np.empty((meta.chunks_per_layer, *header.chunk_shape()), header.dtype)
+    for (_, _, members), data in zip(runs, body.data, strict=True):
+        chunks[members[0] : members[-1] + 1] = decode_run(header, data, members, head.trusted)
+    return chunks, header.lengths, header.size, head.tier.name  # the ranges hold just the chosen chunks

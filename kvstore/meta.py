@@ -87,20 +87,21 @@ class BlockMeta:
 
     @property
     def num_chunks(self) -> int:
-        """Records in the block: its chunks, or for a layered block summaries and per-layer chunks."""
+        """Records in the block: its chunks, or for a layered block a summary and a layer record
+        per layer (kvstore/layer_record.py)."""
         if self.is_layered:
-            return self.num_layers * (1 + self.chunks_per_layer)
+            return 2 * self.num_layers
         return self.chunks_per_layer
 
     def record_index(self, layer: int, chunk: int | None = None) -> int:
-        """Record index of a layered block's summary of `layer` (chunk None) or of its chunk `chunk`.
+        """Record index of a layered block's summary of `layer` (chunk None) or of the layer record
+        that holds its chunk `chunk` (any chunk: one record holds all of a layer's chunks).
 
-        Summaries come first (index = layer), then each layer's chunks, adjacent on disk:
-        index = num_layers + layer * chunks_per_layer + chunk.
+        Summaries come first (index = layer), then one record per layer: index = num_layers + layer.
         """
         if chunk is None:
             return layer
-        return self.num_layers + layer * self.chunks_per_layer + chunk
+        return self.num_layers + layer
 
     @property
     def start(self) -> int:
@@ -110,13 +111,11 @@ class BlockMeta:
     def chunk_offsets(self, chunk_index: int) -> np.ndarray[Any, Any]:
         """Offsets within the block of the tokens stored in chunk `chunk_index`.
 
-        For a layered block, `chunk_index` is a record index: a summary covers every
-        offset, a per-layer chunk its prompt-order run.
+        For a layered block, `chunk_index` is a record index: a summary and a layer
+        record both cover every offset.
         """
         if self.is_layered:
-            if chunk_index < self.num_layers:
-                return np.arange(self.num_tokens, dtype=np.int64)
-            chunk_index = (chunk_index - self.num_layers) % self.chunks_per_layer
+            return np.arange(self.num_tokens, dtype=np.int64)
         lo = chunk_index * self.chunk_tokens
         return self.permutation[lo : lo + self.chunk_tokens]
 

@@ -24,7 +24,8 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, StoreFullError, TierFullError
 from kvstore.index import LoadPlan, StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
-from kvstore.layered_blocks import encode_layered, join_layers, memory_record, stored_records
+from kvstore.layered_blocks import encode_layered, load_units, memory_record, stored_records
+from kvstore.layered_fetch import RecordFetcher
 from kvstore.meta import LAYERED, BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.results import Array, LoadedChunk
@@ -64,6 +65,7 @@ class BlockMover:
         self.remote = remote
         self.durable: list[Tier] = [*self.local_durable, *([] if remote is None else [remote.tier])]
         self._counters = counters
+        self.layer_records = RecordFetcher(self, index, counters)  # the layered layout's reads
 
     # -- store path ---------------------------------------------------------------
 
@@ -130,10 +132,11 @@ class BlockMover:
         self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch
     ) -> list[LoadedChunk] | None:
         """The planned units of a block: its chunks, or a layered block's chunks of every layer."""
-        chunks = self.read_records(meta, block_index, stored_records(meta, units), prefetch)
-        if chunks is None or not meta.is_layered:
-            return chunks
-        return join_layers(meta, block_index, units, chunks)
+        if not meta.is_layered:
+            return self.read_records(meta, block_index, units, prefetch)
+        if not all(self.memory.has_chunk(meta.key, i) for i in stored_records(meta, units)):
+            prefetch.start(block_index)
+        return load_units(self.layer_records, meta, block_index, units)
 
     def read_records(
         self, meta: BlockMeta, block_index: int, indices: list[int], prefetch: _Prefetch | None = None

@@ -61,8 +61,9 @@ def kvsieve(
     )  # fmt: skip
 
 
-def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int) -> None:
-    """Flip one payload byte of a stored chunk in place, with LMDB itself (the store is closed)."""
+def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int, offset: int | None = None) -> None:
+    """Flip one byte (the middle one, or at `offset`) of a stored chunk in place, with LMDB itself
+    (the store is closed)."""
     import lmdb
 
     from kvstore.tiers.base import chunk_key
@@ -72,7 +73,7 @@ def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int) -> No
     with env.begin(write=True, db=db) as txn:
         key = chunk_key(block_key, 0, chunk_index)
         data = bytearray(txn.get(key))
-        data[len(data) // 2] ^= 0x01
+        data[len(data) // 2 if offset is None else offset] ^= 0x01
         txn.put(key, bytes(data))
     env.close()
 

@@ -44,6 +44,9 @@ PUBLISHED = {
     )
     + " summary_bytes_fraction summary_bytes_fraction_minmax summary_bytes_fraction_mean "
     "summary_bytes_fraction_lowbit2",
+    "layout": "store_mb_s_importance store_mb_s_layered cold_full_mb_s_importance cold_full_mb_s_layered "
+    "warm_full_mb_s_importance warm_full_mb_s_layered warm_0_25_ms_importance warm_0_25_ms_layered "
+    "layered_vs_importance_cold layered_vs_importance_warm layer_read_0_25_ms layered_block_bytes_ratio",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache",
 }
@@ -69,6 +72,7 @@ PEER_KEYS = {
         pytest.param("readamp", marks=pytest.mark.model),
         pytest.param("quality", marks=pytest.mark.model),
         "radix",
+        "layout",
         pytest.param("remote", marks=pytest.mark.model),
     ],
 )

@@ -18,7 +18,7 @@ from tests.conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
 
 N, PROMPTS = 96, 4
 BASE = {"block_tokens": 32, "chunk_tokens": 16, "layer_chunk_tokens": 8}
-RECORDS = TINY.num_layers * (1 + 32 // 8)  # per layered block: summaries + per-layer chunks
+RECORDS = 2 * TINY.num_layers  # per layered block: a summary and a layer record per layer
 
 
 def _config(data_dir: Path, layout: str) -> StoreConfig:
@@ -54,14 +54,21 @@ def test_fsck_is_clean_on_layered_blocks_and_reports_layouts(tmp_path: Path) -> 
     assert result.returncode == 0 and f"layouts: {PROMPTS * 3} layered" in result.stdout
 
 
-@pytest.mark.parametrize(("record", "label"), [(1, "summary 1 (layer 1)"), (TINY.num_layers + 5, "chunk 7")])
-def test_fsck_finds_a_flipped_byte_in_a_summary_and_in_a_chunk(
-    tmp_path: Path, record: int, label: str
+@pytest.mark.parametrize(
+    ("record", "offset", "label"),
+    [
+        (1, None, "summary 1 (layer 1)"),
+        (TINY.num_layers + 1, None, "layer record 3 (layer 1)"),  # the middle byte: in a chunk
+        (TINY.num_layers, 20, "layer record 2 (layer 0)"),  # in the header
+    ],
+)
+def test_fsck_finds_a_flipped_byte_in_a_summary_and_in_a_layer_record(
+    tmp_path: Path, record: int, offset: int | None, label: str
 ) -> None:
     prompts = _fill(tmp_path, "layered")
     with TieredStore(_config(tmp_path, "layered")) as store:
         victim = store.index.match(store._root(TINY, "default"), prompts[0][0], touch=False).nodes[2].key
-    corrupt_chunk(_config(tmp_path, "layered"), victim, record)
+    corrupt_chunk(_config(tmp_path, "layered"), victim, record, offset)
     report = fsck(tmp_path)
     assert [(p.kind, p.key) for p in report.problems] == [("bad-chunk", victim.hex())]
     assert report.problems[0].detail.startswith(f"{label}: ")

@@ -18,6 +18,7 @@ from importance.lowbit import dequantize, quantize
 from kvstore.api import LayeredLoad, PrefixStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.layer_record import header_bytes
 from kvstore.meta import BlockMeta, identity_error
 from kvstore.store import TieredStore
 from kvstore.summary import summary_record_bytes
@@ -58,7 +59,7 @@ def test_layered_blocks_record_their_layout_and_records(layered: TieredStore) ->
     toks, _, scores = _stored(layered)
     for i, meta in enumerate(_metas(layered, toks)):
         assert meta.is_layered and meta.layout == "layered" and meta.num_layers == TINY.num_layers
-        assert meta.num_chunks == TINY.num_layers * (1 + B // C)
+        assert meta.num_chunks == 2 * TINY.num_layers  # a summary and a layer record per layer
         np.testing.assert_array_equal(meta.permutation, np.arange(B))
         np.testing.assert_array_equal(meta.scores, scores[i * B : (i + 1) * B])
         assert BlockMeta.from_bytes(meta.to_bytes()).layout == "layered"
@@ -159,11 +160,20 @@ def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
     with TieredStore(_config(tmp_path)) as store:  # restarted: memory is empty
         for expected_tier in ("lmdb", "memory"):
             with store.open_layers(toks, model=TINY) as load:
-                load.key_summary(0)
-                np.testing.assert_array_equal(load.read_layer(0, [2]).kv, kv[0][:, :, 16:24])
+                load.key_summary(0)  # most of block 0's layer 0: its layer record is read whole
+                np.testing.assert_array_equal(load.read_layer(0, [0, 1, 2]).kv, kv[0][:, :, :24])
             counters = store.stats().counters
             assert counters[f"summary_hits.{expected_tier}"] == 3
             assert counters[f"chunk_hits.{expected_tier}"] == 1
+        for _ in range(2):  # one chunk of block 1: header and chunk ranges, never promoted
+            with store.open_layers(toks, model=TINY) as load:
+                chunk_bytes = 2 * TINY.num_kv_heads * C * TINY.head_dim * 2
+                np.testing.assert_array_equal(load.read_layer(0, [5]).kv, kv[0][:, :, 40:48])
+                assert load.bytes_read == header_bytes(B // C) + chunk_bytes
+                np.testing.assert_array_equal(load.read_layer(0, [6]).kv, kv[0][:, :, 48:56])
+                assert load.bytes_read == header_bytes(B // C) + 2 * chunk_bytes  # the header is kept
+        assert store.stats().counters["chunk_hits.lmdb"] == 1 + 2  # a hit per header read
+        assert not store.memory.has_chunk(_metas(store, toks)[1].key, TINY.num_layers)
 
 
 @pytest.mark.parametrize(
@@ -186,18 +196,19 @@ def test_bad_layer_or_chunk_is_refused_by_name(layered: TieredStore, call: Any, 
         assert load.bytes_read == 0
 
 
-@pytest.mark.parametrize("record", ["summary", "chunk"])
+@pytest.mark.parametrize("record", ["summary", "header", "chunk"])
 def test_corrupt_record_is_a_checksum_error_and_the_block_is_forgotten(tmp_path: Path, record: str) -> None:
     with TieredStore(_config(tmp_path)) as store:
         toks, _, _ = _stored(store)
         second = _metas(store, toks)[1]
-    corrupt_chunk(_config(tmp_path), second.key, 1 if record == "summary" else second.record_index(1, 2))
+    index = 1 if record == "summary" else second.record_index(1, 0)
+    corrupt_chunk(_config(tmp_path), second.key, index, offset=20 if record == "header" else None)
     with TieredStore(_config(tmp_path)) as store, store.open_layers(toks, model=TINY) as load:
         with pytest.raises(ChecksumError, match=second.key.hex()):
             if record == "summary":
                 load.key_summary(1)
-            else:
-                load.read_layer(1, [B // C + 2])
+            else:  # two of the block's four chunks: read as ranges (the middle byte is in one of them)
+                load.read_layer(1, [B // C + 1, B // C + 2])
         assert store.lookup(toks, model=TINY).num_tokens == B  # the block and those after it are gone
         assert store.stats().counters["checksum_failures"] == 1
 
@@ -315,7 +326,7 @@ def test_importance_records_are_written_as_before_and_bad_layered_records_refuse
         and BlockMeta.from_bytes(old.to_bytes(version=1)).layout == "importance"
     )
     layered = replace(old, layout="layered", num_layers=2, chunk_tokens=C, permutation=np.arange(B))
-    assert BlockMeta.from_bytes(layered.to_bytes()).num_chunks == 2 * (1 + B // C)
+    assert BlockMeta.from_bytes(layered.to_bytes()).num_chunks == 2 * 2
     scrambled = replace(layered, permutation=np.roll(np.arange(B), 1))
     with pytest.raises(ChecksumError, match="not in prompt order"):
         BlockMeta.from_bytes(scrambled.to_bytes())

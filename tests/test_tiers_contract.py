@@ -69,6 +69,20 @@ def test_get_subset_and_missing(tier: Tier) -> None:
     assert tier.get_chunks(absent, [0]) == [None]
 
 
+def test_get_ranges_returns_exactly_those_bytes(tier: Tier) -> None:
+    meta, chunks = make_block(2)
+    tier.put_block(meta, chunks)
+    whole = chunks[2]
+    spans = [(0, 10), (10, 11), (len(whole) - 8, len(whole)), (5, 5), (len(whole) - 3, len(whole) + 50)]
+    got = tier.get_ranges(meta, 2, spans)
+    assert got is not None and [bytes(g) for g in got] == [whole[a:b] for a, b in spans]
+    assert tier.get_ranges(meta, 9, [(0, 4)]) is None  # no such record
+    other, _ = make_block(3)
+    assert tier.get_ranges(other, 0, [(0, 4)]) is None  # no such block
+    moved = meta.with_layout(meta.layout_version + 1, meta.permutation, meta.nbytes)
+    assert tier.get_ranges(moved, 2, [(0, 4)]) is None  # another layout version
+
+
 def test_contains_meta_and_delete(tier: Tier) -> None:
     meta, chunks = make_block(4)
     assert not tier.contains(meta.key)

@@ -13,6 +13,8 @@ from typing import NamedTuple, Protocol
 from kvstore.keys import chunk_key as chunk_key  # re-export (old home)
 from kvstore.meta import BlockMeta
 
+Span = tuple[int, int]  # a byte range [start, end) of one record
+
 
 class TierUsage(NamedTuple):
     """Occupancy of a tier, in bytes of encoded chunks (metadata excluded)."""
@@ -55,6 +57,15 @@ class Tier(Protocol):
         """Encoded chunks `indices` of the block in `meta`'s layout; None where missing.
 
         The buffers stay valid after the call (they are copies or immutable).
+        """
+        ...
+
+    def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
+        """Byte ranges [start, end) of one encoded record (a layer record's header, its chunks);
+        None if the record is not held. Ranges past the record's end come back short.
+
+        Only the ranges are read (LMDB: those pages of its map; Redis: GETRANGE). The buffers
+        stay valid after the call.
         """
         ...
 

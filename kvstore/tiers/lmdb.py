@@ -27,7 +27,7 @@ import lmdb
 from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError, TierFullError
 from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierUsage
+from kvstore.tiers.base import Span, TierUsage
 from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 from kvstore.tiers.lmdbread import MapReader
 
@@ -174,6 +174,15 @@ class LmdbTier:
                 for index in indices
             ]
             return self._reader.read(views)  # inside the transaction: no page of it is reused
+
+    def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
+        """Slices of one value, copied out inside the read transaction: slicing the map's
+        memoryview touches only those pages (a partial read of a layer record)."""
+        with self._env.begin(db=self._chunks_db, buffers=True) as txn:
+            value = txn.get(chunk_key(meta.key, meta.layout_version, index))
+            if value is None:
+                return None
+            return [memoryview(bytes(value[start:end])) for start, end in ranges]
 
     def prefetch(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> None:
         """Have the kernel read these blocks' chunks in the background (posix_fadvise), so a

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstore.errors import TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierUsage
+from kvstore.tiers.base import Span, TierUsage
 from kvstore.tiers.pinned import host_buffer
 
 ChunkRef = tuple[bytes, int]  # (block key, chunk index)
@@ -91,6 +91,16 @@ class MemoryTier:
                 buf = self._chunks.get((meta.key, index)) if same_layout else None
                 out.append(None if buf is None else buf.data)
         return out
+
+    def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
+        with self._lock:
+            current = self._metas.get(meta.key)
+            same_layout = current is not None and current.layout_version == meta.layout_version
+            buf = self._chunks.get((meta.key, index)) if same_layout else None
+        if buf is None:
+            return None
+        view = buf.data  # read-only and never reused: slices stay valid after an eviction
+        return [view[start:end] for start, end in ranges]
 
     def get_meta(self, key: bytes) -> BlockMeta | None:
         with self._lock:

@@ -4,8 +4,8 @@ Keys are content hashes (docs/keys.md), so a sidecar finds blocks that another
 one stored. Every key of one block carries the block key as a hash tag,
 `<prefix>:{<block key hex>}:m` (metadata) and `<prefix>:{<hex>}:c:<layout>:<index>`
 (chunks), so that in a cluster all of a block lives in one slot: it is written in
-one MULTI/EXEC transaction and its chunks are read with one MGET. Reads of several
-blocks go out as one pipeline, which the cluster client splits per node.
+one MULTI/EXEC transaction and its chunks are read with one MGET (byte ranges of one
+with GETRANGE). Reads of several blocks go out as one pipeline, split per node.
 
 The remote tier is a cache that may be slow, down or evicting on its own
 (`maxmemory-policy allkeys-lru`): every call has a short socket timeout and goes
@@ -32,7 +32,7 @@ from redis.retry import Retry
 
 from kvstore.errors import ChecksumError, RemoteUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import TierUsage
+from kvstore.tiers.base import Span, TierUsage
 from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
 
 T = TypeVar("T")
@@ -149,6 +149,16 @@ class RedisTier:
                 values = [None] * len(indices)
             out.append([None if v is None else memoryview(v) for v in values])
         return out
+
+    def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
+        key = self._ckey(meta.key, meta.layout_version, index)  # (GETRANGE of an absent key reads "")
+        reads: list[tuple[Any, ...]] = [("EXISTS", key)]
+        reads += [("GETRANGE", key, a, b - 1) for a, b in ranges if b > a]
+        replies = self._pipelined([(meta.key, command) for command in reads])
+        if any(r is _MISS for r in replies) or not replies[0]:
+            return None
+        values = iter(replies[1:])  # (an empty range sent no command)
+        return [memoryview(next(values) if end > start else b"") for start, end in ranges]
 
     def get_meta(self, key: bytes) -> BlockMeta | None:
         return self.get_metas([key])[0]

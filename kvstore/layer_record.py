@@ -1,0 +1,243 @@
+"""Layer records of the layered layout (v2): all chunks of one layer of one block in one record.
+
+A layered block (kvstore/layered_blocks.py) stores one such record per layer. Its
+chunks are `chunk_tokens` positions each, in prompt order (positions are implied:
+block start + c * chunk_tokens + i), chunk-major, each one checksummed and (for
+shuffle-zstd) compressed on its own, so that a reader can fetch the header and then
+only the byte ranges of the chunks it wants. Layout (little-endian)::
+
+    header    struct _HEADER: magic "KVSL", version, codec, dtype, the identity of the
+              record (fingerprint, namespace digest, block key, layout version, record
+              index: a `ChunkId`), kv heads, head dim, chunk tokens, number of chunks
+    table     per chunk: offset u32 (from the record's start), length u32, xxh3-64 u64
+              of the chunk's stored bytes
+    checksum  u64 xxh3-64 over header and table
+    chunks    chunk c: raw (2, kv_heads, chunk_tokens, head_dim) in the dtype, or that
+              array shuffled and zstd-compressed (kvstore/codec.py's shuffle-zstd)
+
+The header's size depends only on the number of chunks (`header_bytes`), so a reader
+that knows the block's chunk count reads it with one range request.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvstore.codec import CODEC_IDS, ChunkId, _decompress_unshuffle, _shuffle_compress
+from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.model import DTYPE_IDS, numpy_dtype
+
+Array = np.ndarray[Any, Any]
+
+MAGIC = b"KVSL"
+FORMAT_VERSION = 2  # the layered layout's version 1 stored one record per chunk (never shipped)
+# magic, version, codec, dtype, fingerprint, namespace digest, block key, layout version,
+# record index, kv heads, head dim, chunk tokens, number of chunks
+_HEADER = struct.Struct("<4sHBB16s16s16sIIHHHI")
+_ENTRY = np.dtype([("offset", "<u4"), ("length", "<u4"), ("checksum", "<u8")])
+_CHECKSUM = struct.Struct("<Q")
+_CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPE_IDS.items()}
+
+
+class LayerHeader(NamedTuple):
+    """A verified layer record header: what a reader needs to find and decode any chunk."""
+
+    record_id: ChunkId
+    codec: str
+    dtype_name: str
+    kv_heads: int
+    head_dim: int
+    chunk_tokens: int
+    offsets: list[int]  # per chunk, from the record's start
+    lengths: list[int]  # per chunk, stored bytes
+    checksums: list[int]  # per chunk, xxh3-64 of its stored bytes
+    size: int  # bytes of header, table and header checksum
+    total_bytes: int  # bytes of the whole record
+    dtype: np.dtype[Any]  # the numpy dtype of the KV
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks in the record."""
+        return len(self.offsets)
+
+    def chunk_shape(self) -> tuple[int, int, int, int]:
+        """(2, kv_heads, chunk_tokens, head_dim): one decoded chunk."""
+        return (2, self.kv_heads, self.chunk_tokens, self.head_dim)
+
+    def ranges(self, chunks: Sequence[int]) -> list[tuple[int, int, list[int]]]:
+        """(start, end, chunks) byte ranges covering sorted `chunks`, adjacent chunks merged."""
+        runs: list[tuple[int, int, list[int]]] = []
+        for c in chunks:
+            start, length = self.offsets[c], self.lengths[c]
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], start + length, [*runs[-1][2], c])
+            else:
+                runs.append((start, start + length, [c]))
+        return runs
+
+
+def header_bytes(num_chunks: int) -> int:
+    """Bytes of a layer record's header, table and header checksum for `num_chunks` chunks."""
+    return _HEADER.size + num_chunks * _ENTRY.itemsize + _CHECKSUM.size
+
+
+def encode_layer_record(
+    record_id: ChunkId, kv: Array, dtype: str, chunk_tokens: int, codec: str = "raw", zstd_level: int = 1
+) -> bytes:
+    """Encode one layer of one block, `kv` (2, kv_heads, tokens, head_dim) in prompt order.
+
+    Raises:
+        InvalidInputError: unknown codec, a shape other than the above, or tokens not a
+            multiple of `chunk_tokens`.
+    """
+    if codec not in CODEC_IDS:
+        raise InvalidInputError(f"codec must be one of {sorted(CODEC_IDS)}, got {codec!r}")
+    if kv.ndim != 4 or kv.shape[0] != 2 or chunk_tokens < 1 or kv.shape[2] % chunk_tokens:
+        raise InvalidInputError(
+            f"layer kv must be (2, heads, tokens, dim), tokens a multiple of {chunk_tokens}; got {kv.shape}"
+        )
+    _, heads, tokens, dim = kv.shape
+    n = tokens // chunk_tokens
+    # chunk-major: (chunks, 2, heads, chunk_tokens, dim), each chunk contiguous
+    chunked = np.ascontiguousarray(kv.reshape(2, heads, n, chunk_tokens, dim).transpose(2, 0, 1, 3, 4))
+    flat = chunked.reshape(n, -1).view(np.uint8)
+    if codec == "raw":
+        payloads: list[Any] = [flat[c].data for c in range(n)]
+    else:
+        payloads = [_shuffle_compress(flat[c], kv.dtype.itemsize, zstd_level) for c in range(n)]
+    table = np.zeros(n, _ENTRY)
+    lengths = np.array([len(p) if isinstance(p, bytes) else p.nbytes for p in payloads], np.int64)
+    table["length"] = lengths
+    table["offset"] = header_bytes(n) + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    table["checksum"] = [xxhash.xxh3_64_intdigest(p) for p in payloads]
+    head = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, CODEC_IDS[codec], DTYPE_IDS[dtype], record_id.fingerprint,
+        record_id.namespace, record_id.block_key, record_id.layout_version, record_id.chunk_index,
+        heads, dim, chunk_tokens, n,
+    )  # fmt: skip
+    body = head + table.tobytes()
+    return b"".join((body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *payloads))
+
+
+def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> LayerHeader:
+    """Verify and parse the header at the start of `data` (the header range or the whole record).
+
+    Raises:
+        ChecksumError: not a layer record, truncated, header checksum mismatch, a table
+            that does not describe adjacent chunks after the header, or another identity.
+    """
+    view = memoryview(data)
+    if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
+        raise ChecksumError(f"not a kvsieve layer record (starts {bytes(view[:4])!r}, {len(view)} bytes)")
+    (_magic, version, codec_id, dtype_id, fp, ns, key, layout, index,
+     heads, dim, chunk_tokens, n) = _HEADER.unpack_from(view)  # fmt: skip
+    size = header_bytes(n)
+    if version != FORMAT_VERSION or len(view) < size:
+        raise ChecksumError(f"layer record header truncated or version {version} ({len(view)} bytes)")
+    body = view[: size - _CHECKSUM.size]
+    if xxhash.xxh3_64_intdigest(body) != _CHECKSUM.unpack_from(view, size - _CHECKSUM.size)[0]:
+        raise ChecksumError("layer record header checksum mismatch")
+    record_id = ChunkId(fp, ns, key, layout, index)
+    if expect is not None and record_id != expect:
+        raise ChecksumError(f"layer record identity mismatch: expected {expect}, found {record_id}")
+    words = np.frombuffer(body, "<u4", count=4 * n, offset=_HEADER.size).reshape(n, 4).astype(np.int64)
+    offsets, lengths = words[:, 0], words[:, 1]
+    adjacent = n == 0 or (offsets[0] == size and np.array_equal(offsets[1:], offsets[:-1] + lengths[:-1]))
+    if codec_id not in _CODEC_NAMES or dtype_id not in _DTYPE_NAMES or not adjacent:
+        raise ChecksumError(
+            "layer record header has an unknown codec or dtype or a table that does not add up"
+        )
+    return LayerHeader(
+        record_id,
+        _CODEC_NAMES[codec_id],
+        _DTYPE_NAMES[dtype_id],
+        heads,
+        dim,
+        chunk_tokens,
+        offsets.tolist(),
+        lengths.tolist(),
+        np.frombuffer(body, "<u8", count=2 * n, offset=_HEADER.size)[1::2].tolist(),
+        size,
+        int(offsets[-1] + lengths[-1]) if n else size,
+        numpy_dtype(_DTYPE_NAMES[dtype_id]),
+    )
+
+
+def decode_run(
+    header: LayerHeader, data: bytes | memoryview, chunks: Sequence[int], trusted: bool = False
+) -> Array:
+    """Decode adjacent, ascending chunks `chunks` whose stored bytes are `data` (one range of `ranges`):
+    (len(chunks), 2, kv_heads, chunk_tokens, head_dim). Each chunk's checksum is verified
+    unless `trusted` (buffers the memory tier holds, written by this process).
+
+    Raises:
+        ChecksumError: a length or checksum mismatch, or a payload that does not decompress.
+    """
+    view = memoryview(data)
+    base = header.offsets[chunks[0]] if chunks else 0
+    expected = header.offsets[chunks[-1]] + header.lengths[chunks[-1]] - base if chunks else 0
+    if len(view) != expected:
+        raise ChecksumError(f"layer record chunks {list(chunks)}: {len(view)} bytes, expected {expected}")
+    shape = header.chunk_shape()
+    if header.codec == "raw":
+        if not trusted:
+            _verify(header, view, base, chunks)
+        return np.frombuffer(view, header.dtype).reshape(len(chunks), *shape)
+    out = np.empty((len(chunks), *shape), header.dtype)
+    for i, c in enumerate(chunks):
+        start = header.offsets[c] - base
+        part = view[start : start + header.lengths[c]]
+        if not trusted:
+            _verify(header, part, start + base, [c])
+        out[i] = _decompress_unshuffle(part, header.dtype.itemsize).view(header.dtype).reshape(shape)
+    return out
+
+
+def decode_layer_record(
+    data: bytes | memoryview, expect: ChunkId | None = None, trusted: bool = False,
+    header: LayerHeader | None = None,
+) -> tuple[LayerHeader, Array]:  # fmt: skip
+    """Verify and decode a whole record: its header and (num_chunks, 2, kv_heads, chunk_tokens,
+    head_dim) chunks (a read-only view of `data` for raw records). `header`: this record's
+    header, already verified (a trusted record's, kept by the caller), is not parsed again.
+
+    Raises:
+        ChecksumError: as `parse_header` and `decode_run`, or trailing bytes.
+    """
+    header = parse_header(data, expect) if header is None else header
+    view = memoryview(data)
+    if len(view) != header.total_bytes:
+        raise ChecksumError(f"layer record is {len(view)} bytes, its header says {header.total_bytes}")
+    return header, decode_run(header, view[header.size :], range(header.num_chunks), trusted)
+
+
+def raw_layer_record(data: bytes | memoryview) -> bytes:
+    """The same record re-encoded uncompressed (what the memory tier holds: no zstd on reads)."""
+    header, chunks = decode_layer_record(data)
+    return bytes(data) if header.codec == "raw" else raw_from_chunks(header, chunks)
+
+
+def raw_from_chunks(header: LayerHeader, chunks: Array) -> bytes:
+    """A raw layer record of `header`'s identity from its decoded (chunks, 2, heads, c, dim) chunks."""
+    n, c = header.num_chunks, header.chunk_tokens
+    kv = chunks.transpose(1, 2, 0, 3, 4).reshape(2, header.kv_heads, n * c, header.head_dim)
+    return encode_layer_record(header.record_id, kv, header.dtype_name, c, "raw")
+
+
+def is_layer_record(data: bytes | memoryview) -> bool:
+    """Whether a stored record starts like a layer record (diagnostics; not a verification)."""
+    return bytes(memoryview(data)[:4]) == MAGIC
+
+
+def _verify(header: LayerHeader, view: memoryview, base: int, chunks: Sequence[int]) -> None:
+    """Check the checksums of `chunks`, whose bytes lie in `view` from record offset `base`."""
+    for c in chunks:
+        start = header.offsets[c] - base
+        if xxhash.xxh3_64_intdigest(view[start : start + header.lengths[c]]) != header.checksums[c]:
+            raise ChecksumError(f"layer record chunk {c} checksum mismatch")

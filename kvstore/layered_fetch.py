@@ -1,0 +1,146 @@
+"""Reading a layered block's layer records from the tiers: whole, or by byte ranges.
+
+Fastest tier first (memory, then the disk, then the shared remote tier). What comes
+from memory is trusted (this process wrote or verified it); everything else is
+verified by the caller (kvstore/layered_blocks.py, kvstore/layered.py) before use,
+and a record read whole from a slower tier is then promoted to memory (`promote`).
+Ranges are never promoted: memory holds whole records only, and a range is not one.
+A remote record that fails its header check is a miss, counted and deleted remotely
+(its key is a content hash: the value is wrong for every reader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvstore.errors import ChecksumError, KVSieveError
+from kvstore.layer_record import LayerHeader, parse_header, raw_from_chunks
+from kvstore.meta import BlockMeta
+from kvstore.results import Array
+from kvstore.stats import Counters
+from kvstore.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvstore.index import StoreIndex
+    from kvstore.mover import BlockMover
+
+
+_MAX_HEADERS = 1 << 16  # parsed headers kept (a few hundred bytes each)
+
+
+class Fetched(NamedTuple):
+    """One record read whole: its bytes, the tier it came from, whether it needs no checksum."""
+
+    data: memoryview
+    tier: str
+    trusted: bool
+
+
+class FetchedRanges(NamedTuple):
+    """Byte ranges of one record, all from `tier`."""
+
+    data: list[memoryview]
+    tier: Tier
+    trusted: bool
+
+
+class RecordFetcher:
+    """Whole-record and ranged reads of layer records for one mover; see module docstring."""
+
+    def __init__(self, mover: BlockMover, index: StoreIndex, counters: Counters) -> None:
+        self._mover, self._index, self._counters = mover, index, counters
+        # Headers of records memory holds, parsed once: memory holds the raw encoding of a record,
+        # the same bytes whenever it is promoted again, under a key that names block, layout, index.
+        self._headers: dict[tuple[bytes, int, int], LayerHeader] = {}
+
+    def known_header(self, meta: BlockMeta, index: int, fetched: Fetched) -> LayerHeader | None:
+        """The parsed header of a record memory holds (parsed and kept on first use), else None."""
+        if not fetched.trusted:
+            return None
+        key = (meta.key, meta.layout_version, index)
+        header = self._headers.get(key)
+        if header is None:
+            if len(self._headers) >= _MAX_HEADERS:
+                self._headers.clear()
+            header = self._headers[key] = parse_header(fetched.data, meta.chunk_id(index))
+        return header
+
+    def all_in_memory(self, meta: BlockMeta, indices: Sequence[int]) -> bool:
+        """Whether memory holds every record `indices` (then reading them whole copies nothing)."""
+        return all(self._mover.memory.has_chunk(meta.key, i) for i in indices)
+
+    def whole_records(self, meta: BlockMeta, indices: Sequence[int]) -> list[Fetched] | None:
+        """Records `indices` of a block, fastest tier first; None if one is in no tier."""
+        memory = self._mover.memory
+        found: dict[int, Fetched] = {}
+        for index, data in zip(indices, memory.get_chunks(meta, indices), strict=True):
+            if data is not None:
+                found[index] = Fetched(data, memory.name, True)
+        self._index.touch_memory(meta, found)
+        for tier in self._mover.durable:
+            missing = [i for i in indices if i not in found]
+            if not missing:
+                break
+            for index, data in zip(missing, self._get(tier, meta, missing), strict=True):
+                if data is not None and self._remote_ok(tier, meta, index, data):
+                    found[index] = Fetched(data, tier.name, False)
+        tally: dict[str, int] = {}
+        for fetched in found.values():
+            for name, value in (
+                (f"chunk_hits.{fetched.tier}", 1),
+                (f"bytes_read.{fetched.tier}", len(fetched.data)),
+            ):
+                tally[name] = tally.get(name, 0) + value
+        self._counters.add_many(tally)
+        if len(found) < len(indices):
+            return None
+        return [found[i] for i in indices]
+
+    def ranges(
+        self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]], only: Tier | None = None
+    ) -> FetchedRanges | None:
+        """Byte ranges of record `index` from the fastest tier holding it (or from `only`)."""
+        for tier in [self._mover.memory, *self._mover.durable] if only is None else [only]:
+            data = None
+            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+                data = tier.get_ranges(meta, index, ranges)
+            if data is None:
+                continue
+            if only is None:
+                self._counters.add(f"chunk_hits.{tier.name}")
+            self._counters.add(f"bytes_read.{tier.name}", sum(len(d) for d in data))
+            return FetchedRanges(data, tier, tier is self._mover.memory)
+        return None
+
+    def promote(
+        self, meta: BlockMeta, index: int, fetched: Fetched, header: LayerHeader, chunks: Array
+    ) -> None:
+        """Copy a verified record read whole from a slower tier into memory (raw: no zstd on reads)."""
+        if fetched.trusted:
+            return
+        raw = fetched.data if header.codec == "raw" else raw_from_chunks(header, chunks)
+        self._index.promote(meta, index, raw)
+
+    def _get(self, tier: Tier, meta: BlockMeta, indices: list[int]) -> list[memoryview | None]:
+        if self._mover.remote is not None and tier is self._mover.remote.tier:
+            with contextlib.suppress(KVSieveError):
+                return tier.get_chunks(meta, indices)
+            return [None] * len(indices)
+        return tier.get_chunks(meta, indices)
+
+    def _remote_ok(self, tier: Tier, meta: BlockMeta, index: int, data: memoryview) -> bool:
+        """Local records are verified by the caller (a failure raises); a remote one that is not a
+        layer record of this identity is a miss here, counted and deleted."""
+        remote = self._mover.remote
+        if remote is None or tier is not remote.tier:
+            return True
+        try:
+            parse_header(data, meta.chunk_id(index))
+            return True
+        except ChecksumError:
+            remote.tier.count_corrupt()
+            with contextlib.suppress(KVSieveError):
+                remote.tier.delete_block(meta.key)
+            return False

@@ -21,7 +21,7 @@ from importance.lowbit import LowBitKeys, dequantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
 from kvstore.layer_record import LayerHeader, decode_layer_record, decode_run, header_bytes, parse_header
-from kvstore.layered_blocks import WHOLE_RECORD_SHARE
+from kvstore.layered_blocks import reads_whole
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.results import Array
@@ -190,7 +190,7 @@ class LocalLayeredLoad:
 
     def _layer_chunks(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array | None:
         index, fetcher = meta.record_index(layer, 0), self._mover.layer_records
-        if len(mine) > WHOLE_RECORD_SHARE * meta.chunks_per_layer:
+        if reads_whole(len(mine), meta.chunks_per_layer):
             found = fetcher.whole_records(meta, [index])
             if found is None:
                 return None

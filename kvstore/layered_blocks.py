@@ -32,8 +32,16 @@ from kvstore.meta import BlockMeta
 from kvstore.results import Array, LoadedChunk
 from kvstore.summary import encode_summary, is_summary
 
-# A load reads a layer record whole when it needs more than this share of its chunks, else by ranges.
-WHOLE_RECORD_SHARE = 0.5
+
+def reads_whole(needed: int, chunks_per_layer: int) -> bool:
+    """Whether a load reads a layer record whole from a tier: only when it needs every chunk.
+
+    A budget means bytes: a partial load reads the header and the chosen chunks' byte
+    ranges only (LMDB copies them out of its map, Redis sends one GETRANGE per run of
+    adjacent chunks), so what it reads never exceeds what it delivers by more than the
+    headers. Reading whole past half the chunks read 0.69 of the bytes for a 0.5 budget.
+    """
+    return needed >= chunks_per_layer
 
 
 def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
@@ -72,7 +80,7 @@ def load_units(
     """One all-layer `LoadedChunk` per unit (chunk u of every layer), bit-exact, or None if a
     layer record is in no tier. Each layer record is read whole when memory holds them all (a
     view: nothing is copied but the chosen chunks) or when the load needs more than
-    `WHOLE_RECORD_SHARE` of its chunks (then promoted to memory), else as its header and the
+    every chunk (`reads_whole`; then promoted to memory), else as its header and the
     chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record.
 
     A unit's `nbytes` are its chunks' stored bytes; the first unit also carries what was read
@@ -84,9 +92,7 @@ def load_units(
     layers, c = meta.num_layers, meta.chunk_tokens
     order = np.asarray(units, dtype=np.int64)
     indices = _layer_indices(meta)
-    whole = len(set(units)) > WHOLE_RECORD_SHARE * meta.chunks_per_layer or fetcher.all_in_memory(
-        meta, indices
-    )
+    whole = reads_whole(len(set(units)), meta.chunks_per_layer) or fetcher.all_in_memory(meta, indices)
     parts = fetcher.whole_records(meta, indices) if whole else None
     in_order = len(units) == meta.chunks_per_layer and bool(np.all(order == np.arange(len(units))))
     out: Array | None = None

@@ -160,8 +160,8 @@ def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
     with TieredStore(_config(tmp_path)) as store:  # restarted: memory is empty
         for expected_tier in ("lmdb", "memory"):
             with store.open_layers(toks, model=TINY) as load:
-                load.key_summary(0)  # most of block 0's layer 0: its layer record is read whole
-                np.testing.assert_array_equal(load.read_layer(0, [0, 1, 2]).kv, kv[0][:, :, :24])
+                load.key_summary(0)  # all of block 0's layer 0: its layer record is read whole
+                np.testing.assert_array_equal(load.read_layer(0, [0, 1, 2, 3]).kv, kv[0][:, :, :32])
             counters = store.stats().counters
             assert counters[f"summary_hits.{expected_tier}"] == 3
             assert counters[f"chunk_hits.{expected_tier}"] == 1
@@ -357,3 +357,21 @@ def test_sidecar_serves_layered_blocks(tmp_path: Path, use_shm: bool) -> None:
         server.stop()
     with TieredStore(_config(tmp_path)) as store:
         assert all(m.is_layered for m in _metas(store, toks))
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5, 0.75])
+def test_a_partial_load_from_disk_reads_only_what_it_delivers(tmp_path: Path, budget: float) -> None:
+    """A budget means bytes: a layer record is read whole only when every chunk is wanted."""
+    with TieredStore(_config(tmp_path)) as store:
+        toks, _, _ = _stored(store)
+    headers = 3 * TINY.num_layers * header_bytes(B // C)  # a header per block and layer, at most
+    chunk_bytes = TINY.token_bytes // TINY.num_layers * C  # raw: one layer's K and V of C tokens
+    with TieredStore(_config(tmp_path)) as store:  # a fresh store: memory is empty, reads hit LMDB
+        with store.load(toks, model=TINY, budget=budget) as stream:
+            stream.gather(TINY)
+            assert stream.delivered_fraction <= budget
+            assert stream.bytes_read <= stream.delivered_tokens * TINY.token_bytes + headers
+        with store.open_layers(toks, model=TINY) as load:
+            before = load.bytes_read
+            load.read_layer(1, [0, 5, 6])  # three chunks of one layer, in blocks 0 and 1
+            assert load.bytes_read - before == 3 * chunk_bytes + 2 * header_bytes(B // C)

@@ -70,7 +70,9 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget", type=_budget_arg, default=budget,
         help="fraction of the cached prefix to load, (0, 1] (whole chunks, best first), or 'auto': "
-        "the fewest chunks holding --coverage of the estimated attention mass (10-100%% of the prefix)",
+        "the fewest chunks holding --coverage of the estimated attention mass (10-100%% of the prefix). "
+        "In a store with the layered layout (KVSIEVE_LAYOUT=layered), a budget of 0.2 or more with a "
+        "question of 4+ tokens lets each layer's chunks be chosen by the question's queries",
     )  # fmt: skip
     p.add_argument(
         "--coverage", type=_fraction_arg, default=None,

@@ -20,6 +20,7 @@ import numpy as np
 from importance.lowbit import dequantize, packed_bytes, quantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.results import check_layer
 
 Array = np.ndarray[Any, Any]
 SUMMARY_BITS = 2
@@ -118,12 +119,7 @@ class ArrayLayers:
     def _check_layer(self, layer: int) -> None:
         if self.closed:
             raise InvalidInputError("the layered load is closed")
-        if (
-            isinstance(layer, bool)
-            or not isinstance(layer, int | np.integer)
-            or not 0 <= layer < self.num_layers
-        ):
-            raise InvalidInputError(f"layer must be in [0, {self.num_layers}), got {layer!r}")
+        check_layer(layer, self.num_layers)
 
     def _verify(self, layer: int) -> None:
         if zlib.crc32(np.ascontiguousarray(self.kv[layer]).data) != self._crc[layer]:

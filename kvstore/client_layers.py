@@ -23,6 +23,7 @@ from kvstore.api import LayerSlice
 from kvstore.client_stream import domain_error
 from kvstore.errors import InvalidInputError, StorageUnavailableError
 from kvstore.model import ModelSpec
+from kvstore.results import check_layer
 
 Array = np.ndarray[Any, Any]
 _END = None  # what ends the request iterator (and so the stream, from our side)
@@ -105,8 +106,7 @@ class RemoteLayeredLoad:
     def _check_layer(self, layer: int) -> None:
         if self._closed:
             raise InvalidInputError("this layered load is closed (or matched nothing)")
-        if not 0 <= layer < self.num_layers:
-            raise InvalidInputError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        check_layer(layer, self.num_layers)
 
     def _ask(self, read: pb.LayerRead, part: str) -> pb.LayersResponse:
         self._requests.put(pb.LayersRequest(read=read))
@@ -188,9 +188,4 @@ class EmptyLayeredLoad:
         self.close()
 
     def _check_layer(self, layer: int) -> None:
-        if (
-            isinstance(layer, bool)
-            or not isinstance(layer, int | np.integer)
-            or not 0 <= layer < self.num_layers
-        ):
-            raise InvalidInputError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
+        check_layer(layer, self.num_layers)

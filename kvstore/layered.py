@@ -24,7 +24,7 @@ from kvstore.layer_record import LayerHeader, decode_layer_record, decode_run, h
 from kvstore.layered_blocks import reads_whole
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
-from kvstore.results import Array
+from kvstore.results import Array, check_layer
 from kvstore.stats import Counters
 from kvstore.summary import DecodedSummary, decode_summary, summary_record_bytes
 from radix import MatchResult
@@ -158,12 +158,7 @@ class LocalLayeredLoad:
     # -- internals ----------------------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:
-        if (
-            isinstance(layer, bool)
-            or not isinstance(layer, int | np.integer)
-            or not 0 <= layer < self.num_layers
-        ):
-            raise InvalidInputError(f"layer must be an integer in [0, {self.num_layers}), got {layer!r}")
+        check_layer(layer, self.num_layers)
 
     def _check_chunks(self, chunks: Sequence[int]) -> list[int]:
         total = self.matched_tokens // self.chunk_tokens

@@ -172,3 +172,10 @@ def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) 
         if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
             raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {scores.shape}")
     return kv, scores
+
+
+def check_layer(layer: object, num_layers: int) -> int:
+    """`layer` as an int, or InvalidInputError naming it unless an integer in [0, num_layers)."""
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 0 <= layer < num_layers:
+        raise InvalidInputError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+    return int(layer)

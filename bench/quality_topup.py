@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -112,50 +112,53 @@ def extender(state: PrefixState, theta: float, first_row: int, cap: float = CAP)
     return extend
 
 
-def labels(thetas: Sequence[float]) -> list[str]:
-    """The compared rows: the first choice, the top-up at each theta, the true-attention choice."""
-    return [f"qa_{SUMMARY}", *(f"qa_{SUMMARY}_topup_{t:g}" for t in thetas), "oracle"]
+class Row(NamedTuple):
+    """One compared row: `method` at `budget`, topped up at `theta` (None: no top-up)."""
+
+    label: str
+    method: str
+    budget: float
+    theta: float | None = None
+
+
+def rows(budget: float, thetas: Sequence[float], plain_budgets: Sequence[float] = ()) -> list[Row]:
+    """The first choice, the top-up at each theta, the true-attention choice, and the first
+    choice at each of `plain_budgets` (the same extra bytes spent up front)."""
+    first = f"qa_{SUMMARY}"
+    return [
+        Row(first, first, budget),
+        *(Row(f"{first}_topup_{t:g}", first, budget, t) for t in thetas),
+        Row("oracle", "oracle", budget),
+        *(Row(f"{first}@{b:g}", first, b) for b in plain_budgets),
+    ]
 
 
 def compare(
-    lm: Any, pairs: list[Any], state: PrefixState, question: str, budget: float, thetas: Sequence[float]
+    lm: Any, pairs: list[Any], state: PrefixState, question: str, jobs: Sequence[Row]
 ) -> dict[str, dict[str, float]]:
     """Every row's figures on one question (one batched teacher-forced pass)."""
     item = question_item(lm, pairs, question)
-    fixed = FixedBudget(budget)
     n = state.num_tokens
-    plans: list[MaskPlan | None] = [
-        MaskPlan(n, item.observe, chooser(f"qa_{SUMMARY}", state, fixed, SHIPPED_CONFIG)),
-        *(
-            MaskPlan(
-                n,
-                item.observe,
-                chooser(f"qa_{SUMMARY}", state, fixed, SHIPPED_CONFIG),
-                extend=extender(state, t, item.observe),
-            )
-            for t in thetas
-        ),
-        MaskPlan(n, item.observe, chooser("oracle", state, fixed, SHIPPED_CONFIG)),
-    ]
+    plans: list[MaskPlan | None] = []
+    for job in jobs:
+        choose = chooser(job.method, state, FixedBudget(job.budget), SHIPPED_CONFIG)
+        extend = None if job.theta is None else extender(state, job.theta, item.observe)
+        plans.append(MaskPlan(n, item.observe, choose, extend=extend))
     logits = forward(lm, pairs, item.new_ids, plans, item.checked)
     out: dict[str, dict[str, float]] = {}
-    for label, plan, row in zip(labels(thetas), plans, logits, strict=True):
+    for job, plan, row in zip(jobs, plans, logits, strict=True):
         assert plan is not None
         figures = agreement(item.reference, row)
-        summary = summary_charge(
-            label if label == "oracle" else f"qa_{SUMMARY}", state, fixed, SHIPPED_CONFIG
-        )
+        summary = summary_charge(job.method, state, FixedBudget(job.budget), SHIPPED_CONFIG)
         first = float(np.mean([k.mean() for k in plan.kept.values()]))
         figures["delivered_first_choice"] = first + summary
         figures["delivered"] = plan.delivered_tokens_fraction() + summary
         figures["extra"] = figures["delivered"] - figures["delivered_first_choice"]
-        out[label] = figures
+        out[job.label] = figures
     return out
 
 
-def run(
-    windows: int, first: int, budget: float, thetas: Sequence[float], questions: int, sink: Path | None
-) -> dict[str, Any]:
+def run(windows: int, first: int, jobs: Sequence[Row], questions: int, sink: Path | None) -> dict[str, Any]:
     """Mean figures per row over `windows` windows x `questions` questions."""
     from bench.quality_bench import CONTINUATION, PREFIX, SYSTEM
     from engine_adapter.model import load_model
@@ -169,14 +172,14 @@ def run(
         for number, (name, ids) in enumerate(chosen):
             print(f"topup: window {number + 1}/{windows} {name}", file=sys.stderr, flush=True)
             pairs, state = prefix_state(lm, (head + ids)[:PREFIX])
-            window = [compare(lm, pairs, state, q, budget, thetas) for q in QUESTIONS[:questions]]
+            window = [compare(lm, pairs, state, q, jobs) for q in QUESTIONS[:questions]]
             for figures in window:
                 for label, values in figures.items():
                     records.setdefault(label, []).append(values)
             if sink is not None:
                 with sink.open("a") as fh:
                     fh.write(json.dumps({"window": name, "items": window}) + "\n")
-    return summarise(records) | {"windows": windows, "budget": budget, "cap": CAP}
+    return summarise(records) | {"windows": windows, "budget": jobs[0].budget, "cap": CAP}
 
 
 def summarise(records: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
@@ -205,6 +208,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help="skip this many windows")
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--thetas", default=",".join(f"{t:g}" for t in THETAS))
+    parser.add_argument("--plain-budgets", default="", help="also the first choice at these budgets")
     parser.add_argument("--questions", type=int, default=2)
     parser.add_argument("--records", type=Path, default=None, help="append each window's figures here")
     parser.add_argument("--summarise", type=Path, default=None, help="only summarise a --records file")
@@ -213,9 +217,8 @@ def main() -> None:
         print(json.dumps(summarise_file(args.summarise), indent=1))
         return
     thetas = [float(t) for t in args.thetas.split(",") if t]
-    print(
-        json.dumps(run(args.windows, args.first, args.budget, thetas, args.questions, args.records), indent=1)
-    )
+    jobs = rows(args.budget, thetas, [float(b) for b in args.plain_budgets.split(",") if b])
+    print(json.dumps(run(args.windows, args.first, jobs, args.questions, args.records), indent=1))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ from engine_adapter.layered import layer_queries
 #: (layer, queries (query_heads, observed, head_dim) post-RoPE) -> keep (rows, prefix) bool,
 #: rows = 1 (the whole layer) or the number of KV heads.
 Chooser = Callable[[int, np.ndarray], np.ndarray]
+#: (layer, every new token's queries (query_heads, new, head_dim), the chooser's keep (1, prefix))
+#: -> keep per query row (new, prefix) bool: what each new token sees (e.g. chunks fetched mid-decode).
+RowExtender = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclass
@@ -36,16 +39,25 @@ class MaskPlan:
         observe: how many leading new tokens' queries the chooser sees.
         choose: the selection (see `Chooser`).
         kept: filled per layer during the pass: the keep mask used.
+        extend: if set, per query row masks (see `RowExtender`) over the chooser's layer-wide choice.
+        row_kept: filled per layer when `extend` is set: the (new, prefix) masks used.
     """
 
     prefix_len: int
     observe: int
     choose: Chooser
     kept: dict[int, np.ndarray] = field(default_factory=dict)
+    extend: RowExtender | None = None
+    row_kept: dict[int, np.ndarray] = field(default_factory=dict)
 
     def delivered_tokens_fraction(self) -> float:
-        """Mean share of the prefix's tokens kept, over layers and rows."""
-        return float(np.mean([k.mean() for k in self.kept.values()]))
+        """Mean share of the prefix's tokens kept (by any query row), over layers and rows."""
+        return float(np.mean([self._delivered(layer).mean() for layer in self.kept]))
+
+    def _delivered(self, layer: int) -> np.ndarray:
+        if layer in self.row_kept:
+            return np.asarray(self.row_kept[layer].any(axis=0))
+        return self.kept[layer]
 
 
 class _Active:
@@ -93,7 +105,8 @@ def _pre_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
     heads = module.config.num_attention_heads
     prefix = next(p.prefix_len for p in plans if p is not None)
     total = prefix + hidden.shape[1]
-    hide = torch.zeros(len(plans), heads, 1, total, dtype=torch.bool)
+    per_row = any(p is not None and p.extend is not None for p in plans)
+    hide = torch.zeros(len(plans), heads, hidden.shape[1] if per_row else 1, total, dtype=torch.bool)
     for row, plan in enumerate(plans):
         if plan is None:
             continue
@@ -101,10 +114,16 @@ def _pre_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
             obs = plan.observe
             queries = layer_queries(module, hidden[row : row + 1, :obs], cos[:1, :obs], sin[:1, :obs])[0]
             plan.kept[layer] = np.asarray(plan.choose(layer, queries.float().numpy()), dtype=bool)
+        if plan.extend is not None:
+            if layer not in plan.row_kept:
+                every = layer_queries(module, hidden[row : row + 1], cos[:1], sin[:1])[0].float().numpy()
+                plan.row_kept[layer] = np.asarray(plan.extend(layer, every, plan.kept[layer]), dtype=bool)
+            hide[row, :, :, :prefix] = ~torch.from_numpy(plan.row_kept[layer])[None]
+            continue
         keep = torch.from_numpy(plan.kept[layer])  # (1 or kv heads, prefix)
         if keep.shape[0] > 1:  # per KV head: every query head of a group sees its KV head's choice
             keep = keep.repeat_interleave(module.num_key_value_groups, dim=0)
-        hide[row, :, 0, :prefix] = ~keep
+        hide[row, :, :, :prefix] = ~keep[:, None]
     kwargs["attention_mask"] = _causal(kwargs.get("attention_mask"), prefix, hidden.shape[1]).masked_fill(
         hide, torch.finfo(torch.float32).min
     )

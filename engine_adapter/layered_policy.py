@@ -55,10 +55,10 @@ def plan_layered(
     resolved = resolve_budget(budget)
     if isinstance(resolved, float | int) and not MIN_LAYERED_FRACTION <= resolved < 1.0:
         return None
-    opener = getattr(store, "open_layers", None)
-    if opener is None or len(ids) < 1 + MIN_QUERY_TOKENS:
-        return None  # a store without the layered layout (an older sidecar), or too short a prompt
-    load: LayeredLoad = opener(list(ids[:-1]), model=model, namespace=namespace)
+    if len(ids) < 1 + MIN_QUERY_TOKENS:
+        return None  # too short a prompt: too few new tokens whatever is cached
+    # Every PrefixStore opens layered loads; one with no layered blocks (or an older sidecar) matches 0.
+    load = store.open_layers(list(ids[:-1]), model=model, namespace=namespace)
     try:
         chunks = _chunks(store, ids, resolved, load, model, namespace)
     except BaseException:

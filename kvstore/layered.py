@@ -4,7 +4,7 @@
 (kvstore/layered_blocks.py) and pins them until the load is closed. `key_summary`
 reads one summary record per block of a layer (fastest tier first, promoted to
 memory); `read_layer` reads the chosen chunks of each block's layer record: the whole
-record (promoted) when it wants most of them, else the record's header (verified and
+record (promoted) when it wants every chunk, else the record's header (verified and
 kept for the load's lifetime) and the chunks' byte ranges (not promoted). A record
 that fails its checksum makes the store forget its block (as `load` does) and raises ChecksumError.
 """
@@ -20,8 +20,8 @@ import numpy as np
 from importance.lowbit import LowBitKeys, dequantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
-from kvstore.layer_record import LayerHeader, decode_layer_record, decode_run, header_bytes, parse_header
-from kvstore.layered_blocks import reads_whole
+from kvstore.layer_record import decode_layer_record
+from kvstore.layered_blocks import RangedHeader, read_chunk_runs, read_header, reads_whole
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.results import Array, check_layer
@@ -32,7 +32,6 @@ from radix import MatchResult
 if TYPE_CHECKING:
     from kvstore.index import StoreIndex
     from kvstore.mover import BlockMover
-    from kvstore.tiers import Tier
 
 
 def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
@@ -91,7 +90,7 @@ class LocalLayeredLoad:
         self._summaries: dict[int, Array] = {}
         self._lowbit: dict[int, LowBitKeys] = {}
         self._pinned: list[bytes] | None = [m.key for m in metas]
-        self._headers: dict[tuple[int, int], tuple[LayerHeader, Tier]] = {}  # (block, layer): verified
+        self._headers: dict[tuple[int, int], RangedHeader] = {}  # (block, layer): verified
 
     @property
     def delivered_fraction(self) -> float:
@@ -122,8 +121,8 @@ class LocalLayeredLoad:
     def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
         """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim).
 
-        Per block, the layer record is read whole when more than half of its chunks are
-        wanted, else as its header (read once per load) and the chunks' byte ranges.
+        Per block, the layer record is read whole when every chunk is wanted (`reads_whole`),
+        else as its header (read once per load) and the chunks' byte ranges.
         """
         self._check_layer(layer)
         wanted = self._check_chunks(chunks)
@@ -194,27 +193,20 @@ class LocalLayeredLoad:
             self.bytes_read += len(found[0].data)
             return chunks[mine]
         for _attempt in range(2):  # a cached header's tier may have dropped the record since
-            cached = self._headers.get((block_index, layer))
-            if cached is None:
-                head = fetcher.ranges(meta, index, [(0, header_bytes(meta.chunks_per_layer))])
+            head = self._headers.get((block_index, layer))
+            if head is None:
+                head = read_header(fetcher, meta, index)
                 if head is None:
                     return None
-                cached = self._headers[(block_index, layer)] = (
-                    parse_header(head.data[0], meta.chunk_id(index)),
-                    head.tier,
-                )
-                self.bytes_read += cached[0].size
-            header, tier = cached
-            runs = header.ranges(mine)
-            body = fetcher.ranges(meta, index, [(start, end) for start, end, _ in runs], only=tier)
-            if body is None:
+                self._headers[(block_index, layer)] = head
+                self.bytes_read += head.header.size
+            got = read_chunk_runs(fetcher, meta, index, head, mine)
+            if got is None:
                 del self._headers[(block_index, layer)]
                 continue
-            self.bytes_read += sum(len(d) for d in body.data)
-            trusted = body.trusted
-            return np.concatenate(
-                [decode_run(header, d, m, trusted) for (_, _, m), d in zip(runs, body.data, strict=True)]
-            )
+            runs, nbytes = got
+            self.bytes_read += nbytes
+            return np.concatenate([run for _, run in runs])
         return None
 
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:

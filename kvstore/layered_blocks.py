@@ -14,11 +14,13 @@ one all-layer chunk (`load_units`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvstore.codec import reencode_raw
 from kvstore.layer_record import (
+    LayerHeader,
     decode_layer_record,
     decode_run,
     encode_layer_record,
@@ -31,6 +33,9 @@ from kvstore.layered_fetch import Fetched, RecordFetcher
 from kvstore.meta import BlockMeta
 from kvstore.results import Array, LoadedChunk
 from kvstore.summary import encode_summary, is_summary
+
+if TYPE_CHECKING:
+    from kvstore.tiers import Tier
 
 
 def reads_whole(needed: int, chunks_per_layer: int) -> bool:
@@ -160,17 +165,49 @@ def _whole_layer(
 def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Array) -> LayerPart | None:
     """The header range, then the chosen chunks' ranges (adjacent ones merged), from one tier."""
     index = meta.record_index(layer, 0)
+    head = read_header(fetcher, meta, index)
+    if head is None:
+        return None
+    got = read_chunk_runs(fetcher, meta, index, head, sorted(set(order.tolist())))
+    if got is None:
+        return None
+    # indexed by chunk number, as a whole record's chunks are (np.empty: the rest is never touched)
+    chunks = np.empty((meta.chunks_per_layer, *head.header.chunk_shape()), head.header.dtype)
+    for members, run in got[0]:
+        chunks[members[0] : members[-1] + 1] = run
+    return chunks, head.header.lengths, head.header.size, head.tier.name  # just the chosen chunks
+
+
+class RangedHeader(NamedTuple):
+    """A layer record's verified header and the tier it was read from (its chunks are read there)."""
+
+    header: LayerHeader
+    tier: Tier
+
+
+def read_header(fetcher: RecordFetcher, meta: BlockMeta, index: int) -> RangedHeader | None:
+    """The header range of layer record `index`, verified, from the fastest tier holding it."""
     head = fetcher.ranges(meta, index, [(0, header_bytes(meta.chunks_per_layer))])
     if head is None:
         return None
-    header = parse_header(head.data[0], meta.chunk_id(index))
-    wanted = sorted(set(order.tolist()))
-    runs = header.ranges(wanted)
+    return RangedHeader(parse_header(head.data[0], meta.chunk_id(index)), head.tier)
+
+
+def read_chunk_runs(
+    fetcher: RecordFetcher, meta: BlockMeta, index: int, head: RangedHeader, wanted: Sequence[int]
+) -> tuple[list[tuple[list[int], Array]], int] | None:
+    """Sorted chunks `wanted` of record `index`, read from `head.tier` as runs of adjacent chunks and
+    verified: ([(run's chunks, their KV)], bytes read); None if that tier no longer holds the record.
+
+    Raises:
+        ChecksumError: a chunk fails its checksum.
+    """
+    runs = head.header.ranges(wanted)
     body = fetcher.ranges(meta, index, [(start, end) for start, end, _ in runs], only=head.tier)
     if body is None:
         return None
-    # indexed by chunk number, as a whole record's chunks are (np.empty: the rest is never touched)
-    chunks = np.empty((meta.chunks_per_layer, *header.chunk_shape()), header.dtype)
-    for (_, _, members), data in zip(runs, body.data, strict=True):
-        chunks[members[0] : members[-1] + 1] = decode_run(header, data, members, head.trusted)
-    return chunks, header.lengths, header.size, head.tier.name  # the ranges hold just the chosen chunks
+    decoded = [
+        (members, decode_run(head.header, data, members, body.trusted))
+        for (_, _, members), data in zip(runs, body.data, strict=True)
+    ]
+    return decoded, sum(len(d) for d in body.data)

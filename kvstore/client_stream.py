@@ -7,6 +7,7 @@ Chunks arrive inline or as descriptors into the client's shared-memory arena
 from __future__ import annotations
 
 import collections
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -103,7 +104,14 @@ class RemoteLoadStream:
         if self._dense is not None and chunks and self._dense_slots == slots:
             positions = np.concatenate([c.positions for c in chunks])
             return positions, self._dense[:, :, :, :slots]
+        if self._dense is not None and self._by_position:  # some chunks came inline: fill in the rest
+            chunks = [c if c.kv.shape[3] == len(c.positions) else self._from_arena(c) for c in chunks]
         return gather_chunks(chunks, model)
+
+    def _from_arena(self, chunk: LoadedChunk) -> LoadedChunk:
+        """A chunk written by position, read back from the arena (its slots are its positions)."""
+        assert self._dense is not None
+        return dataclasses.replace(chunk, kv=np.take(self._dense, chunk.positions, axis=3))
 
     def close(self) -> None:
         """End the stream (cancelling it if unfinished) and hand the arena back. Idempotent."""
@@ -170,10 +178,10 @@ class RemoteLoadStream:
         """A chunk's KV in the arena: a view of its slots, or (by position, out of order) a copy."""
         assert self._dense is not None
         n = len(positions)
+        if self._gathering and self._by_position:  # gather takes the tokens from the arena in one pass
+            return self._dense[:, :, :, slot:slot]
         if not self._by_position or (n and positions[-1] - positions[0] == n - 1 and increasing(positions)):
             return self._dense[:, :, :, slot : slot + n]
-        if self._gathering:  # gather takes the tokens from the arena in one pass
-            return self._dense[:, :, :, slot:slot]
         return self._dense[:, :, :, positions]
 
     def _drop_arena(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
+from kvstore.place import place_chunks
 
 Array = np.ndarray[Any, Any]
 DEFAULT_NAMESPACE = "default"
@@ -149,12 +150,13 @@ class LocalLoadStream:
             on_finish(self)
 
 
-def gather_chunks(chunks: Sequence[LoadedChunk], model: ModelSpec) -> tuple[Array, Array]:
-    """Concatenate chunks into (positions, kv), in stream order."""
-    if not chunks:
-        return np.zeros(0, np.int64), np.zeros(model.kv_shape(0), model.np_dtype)
-    positions = np.concatenate([c.positions for c in chunks])
-    return positions, np.concatenate([c.kv for c in chunks], axis=3)
+def gather_chunks(chunks: Iterable[LoadedChunk], model: ModelSpec) -> tuple[Array, Array]:
+    """The chunks in stream order as (positions (n,), kv (layers, 2, heads, n, dim)): one new
+    array, filled by two threads when it is large (kvstore/place.py)."""
+    listed = list(chunks)
+    kv = np.empty(model.kv_shape(sum(len(c.positions) for c in listed)), model.np_dtype)
+    placed = place_chunks(listed, kv, at_positions=False)
+    return placed.positions, kv
 
 
 def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) -> tuple[Array, Array | None]:

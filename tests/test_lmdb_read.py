@@ -7,6 +7,7 @@ chunk checksum, and buffers that are not in the map are copied instead.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from conftest import make_kv, make_tokens
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
-from kvstore.tiers.lmdbread import MapReader, find_mapping
+from kvstore.tiers.lmdbread import HintThread, MapReader, find_mapping
 
 # 2 KiB per token: a chunk of 8 tokens is 16 KiB, stored in LMDB overflow pages.
 WIDE = ModelSpec("test-wide", num_layers=4, num_kv_heads=2, head_dim=64)
@@ -75,3 +76,35 @@ def test_buffers_outside_the_map_are_copied(tmp_path: Path) -> None:
     finally:
         reader.close()
     assert find_mapping(path.stat().st_ino, 0) is None
+
+
+def test_hint_thread_runs_jobs_in_order_off_the_caller_and_close_joins_it() -> None:
+    hints = HintThread("kvsieve-readahead-test")
+    release = threading.Event()
+    ran: list[tuple[int, str]] = []
+    hints.submit(lambda: (release.wait(5), ran.append((0, threading.current_thread().name))))
+    hints.submit(lambda: ran.append((1, threading.current_thread().name)))
+    assert ran == []  # submit returned while the first job still waits: the caller is never held
+    release.set()
+    hints.close()
+    assert [i for i, _ in ran] == [0, 1]
+    assert {name for _, name in ran} == {"kvsieve-readahead-test"}
+    assert not any(t.name == "kvsieve-readahead-test" for t in threading.enumerate())
+    hints.submit(lambda: ran.append((2, "late")))  # after close: ignored, no thread started
+    assert len(ran) == 2
+
+
+def test_prefetch_returns_at_once_and_close_waits_for_its_hints(tmp_path: Path) -> None:
+    """A cold load's readahead runs on the tier's hint thread; closing the store joins it
+    before LMDB closes (a transaction left open there would outlive the environment)."""
+    config, tokens, kv = _config(tmp_path), make_tokens(256), make_kv(WIDE, 256)
+    with TieredStore(config) as store:
+        store.store(tokens, kv, model=WIDE)
+    with TieredStore(config) as store:
+        tier = store.durable[0]
+        loaded = _ordered(store.load(tokens, model=WIDE))  # 8 blocks from disk: hints issued
+        names = {t.name for t in threading.enumerate()}
+        assert any(n.startswith("kvsieve-readahead") for n in names)
+        tier.prefetch([])  # nothing to hint: no error
+    assert np.array_equal(loaded, kv)
+    assert not any(t.name.startswith("kvsieve-readahead") for t in threading.enumerate())

@@ -12,6 +12,7 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LoadedChunk, LoadStream
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
+from kvstore.place import Copy, run_copies
 from kvstore.shm import ServerArena, dense_view
 from kvstore.wire import kv_from_bytes
 
@@ -27,6 +28,7 @@ class ChunkWriter:
         self._packed = packed_positions  # the client reads positions_u32le
         self._dense = None if arena is None else dense_view(arena.buf, model)
         self._slot = 0
+        self._copies: list[Copy] = []
         # Slot = position: the client gets the prefix in position order, no reorder copy.
         self.by_position = by_position and self._dense is not None
 
@@ -36,6 +38,7 @@ class ChunkWriter:
         response = pb.LoadResponse()
         batch = response.batch
         inline = inline_chunks = 0
+        self._copies = []  # into the arena, after the batch is read: two threads
         for chunk in self._chunks:
             placed = self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
             inline, inline_chunks = inline + placed, inline_chunks + bool(placed)
@@ -45,6 +48,7 @@ class ChunkWriter:
                 or len(batch.chunks) == max(max_chunks, max_shm_chunks)
             ):
                 break
+        run_copies(self._copies)
         return response if len(batch.chunks) else None
 
     def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
@@ -62,7 +66,7 @@ class ChunkWriter:
         if self.by_position:
             return self._place_by_position(message, chunk)
         if self._dense is not None and self._slot + n <= self._dense.shape[3]:
-            self._dense[:, :, :, self._slot : self._slot + n] = chunk.kv
+            self._copies.append((self._dense, slice(self._slot, self._slot + n), chunk.kv))
             message.shm.slot, message.shm.num_tokens = self._slot, n
             self._slot += n
             return 0
@@ -78,9 +82,9 @@ class ChunkWriter:
             message.data = np.ascontiguousarray(chunk.kv).tobytes()
             return int(chunk.kv.nbytes)
         if hi - lo + 1 == len(positions) and bool(np.all(positions[1:] > positions[:-1])):
-            self._dense[:, :, :, lo : hi + 1] = chunk.kv  # a run of positions: a slice
+            self._copies.append((self._dense, slice(lo, hi + 1), chunk.kv))  # a run: a slice
         else:
-            self._dense[:, :, :, positions] = chunk.kv
+            self._copies.append((self._dense, positions, chunk.kv))
         message.shm.slot, message.shm.num_tokens = lo, len(positions)
         return 0
 

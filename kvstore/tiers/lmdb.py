@@ -29,7 +29,7 @@ from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.meta import BlockMeta
 from kvstore.tiers.base import Span, TierUsage
 from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
-from kvstore.tiers.lmdbread import MapReader
+from kvstore.tiers.lmdbread import HintThread, MapReader
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -74,6 +74,7 @@ class LmdbTier:
         st = os.stat(self.data_file())
         self._file_id = (st.st_dev, st.st_ino)
         self._reader = MapReader(self.data_file())
+        self._hints = HintThread(f"kvsieve-readahead-{self._path.name}")
 
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
         """Check the data file, reserve the lock file, open LMDB; errors become domain errors."""
@@ -185,15 +186,27 @@ class LmdbTier:
             return [memoryview(bytes(value[start:end])) for start, end in ranges]
 
     def prefetch(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> None:
-        """Have the kernel read these blocks' chunks in the background (posix_fadvise), so a
-        load's disk reads overlap the verification and copies of the chunks before them.
-        A hint only: errors are left to the reads that follow."""
+        """Have the kernel read these blocks' chunks in the background, so a load's disk reads
+        overlap the verification and copies of the chunks before them. Returns at once: the
+        hint thread locates the values and calls posix_fadvise. Errors are left to the reads."""
+        wanted = [
+            (meta.key, meta.layout_version, min(indices), meta.nbytes)
+            for meta, indices in requests
+            if indices
+        ]
+        self._hints.submit(lambda: self._hint(wanted))
+
+    def _hint(self, wanted: list[tuple[bytes, int, int, int]]) -> None:
+        """Locate each block's first chunk and hint its bytes at once, in load order: the disk
+        reads block 1 while block 2's B-tree page is still being faulted in."""
         hint_errors = contextlib.suppress(lmdb.Error, OSError)
         with hint_errors, self._env.begin(db=self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
-            for meta, indices in requests:  # a block's chunks lie in index order after its first
-                if indices and cursor.set_key(chunk_key(meta.key, meta.layout_version, min(indices))):
-                    self._reader.will_need(cursor.value(), meta.nbytes + _READ_SLACK)
+            for key, version, first, nbytes in wanted:  # a block's chunks lie in index order
+                if cursor.set_key(chunk_key(key, version, first)):
+                    span = self._reader.file_span(cursor.value(), nbytes + _READ_SLACK)
+                    if span is not None:
+                        self._reader.will_need([span])
 
     def get_meta(self, key: bytes) -> BlockMeta | None:
         return self._get_meta_raw(key)
@@ -256,6 +269,7 @@ class LmdbTier:
         return self._path / DATA_FILE
 
     def close(self) -> None:
+        self._hints.close()  # its transactions end before the environment does
         self._env.close()
         self._reader.close()
 

@@ -1,0 +1,175 @@
+"""Copying chunks of KV into one array: the last copy of every load path.
+
+A chunk of 16 tokens lands in a `(layers, 2, heads, tokens, dim)` array as
+`layers * 2 * heads` separate runs of `16 * dim` elements (2 KiB for fp16 SmolLM2).
+Copies made of runs that small reached 0.37-0.42 of a contiguous memcpy of the same
+bytes on the development machine, two threads copying disjoint chunks 0.69-0.78
+(numpy releases the GIL while it copies; bench/micro/test_place.py measures both).
+
+So the chunks of a block, as the stream delivers them, are split in two by bytes:
+one half copied on the calling thread, the other on one pool thread, and the next
+block is read after both halves are done. Copying a block at a time keeps the copies
+overlapping the disk's readahead of later blocks; the calling thread copies while
+the pool thread does, so the pool thread never waits for a GIL held by Python work
+(handing it every chunk while the caller read the stream measured slower than one thread).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from kvstore.errors import InvalidInputError
+
+if TYPE_CHECKING:  # kvstore.results gathers chunks with this module
+    from kvstore.results import LoadedChunk
+
+Array = np.ndarray[Any, Any]
+
+# Below this many bytes one thread copies: the hop to the pool costs more than it saves.
+PARALLEL_MIN_BYTES = 2 << 20
+# Chunks copied together at most (a block of SmolLM2 is 5.9 MB): copies start before the
+# stream ends, so they overlap the reads of what follows.
+BLOCK_BYTES = 8 << 20
+Index = slice | Array  # along the token axis (3) of the destination
+Copy = tuple[Array, Index, Array]  # (destination, token index, source)
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+class Placed(NamedTuple):
+    """What `place_chunks` wrote: the positions of the filled slots, in slot order, and how many."""
+
+    positions: Array
+    num_tokens: int
+
+
+def parallel_copies() -> bool:
+    """Whether copies are split across two threads (the process may run on two cores or more)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > 1
+
+
+def place_chunks(chunks: Iterable[LoadedChunk], out: Array, *, at_positions: bool) -> Placed:
+    """Copy every chunk's KV into `out`, converting dtype on the way if `out`'s differs.
+
+    Chunks are copied a block at a time as the stream delivers them, so the copies of one
+    block overlap the disk reads of the next (the tier's readahead runs meanwhile).
+
+    Args:
+        chunks: a load stream or a list of its chunks.
+        out: destination of shape (layers, 2, heads, slots, dim), written in place.
+        at_positions: each chunk goes to its tokens' positions (slot = position, as an
+            engine's cache holds a prefix); otherwise chunks fill slots 0.. in stream order.
+
+    Returns:
+        `Placed`: the positions of the filled slots, in slot order, and their count.
+
+    Raises:
+        InvalidInputError: a chunk's shape does not fit `out`, or it would write past its
+            end (the chunks of earlier blocks were copied; nothing of that block is).
+    """
+    if out.ndim != 5:
+        raise InvalidInputError(f"out must have shape (layers, 2, heads, slots, dim), got {out.shape}")
+    parts: list[Array] = []
+    group: list[LoadedChunk] = []
+    group_bytes = 0
+    slot = 0
+    for chunk in chunks:
+        if group and (chunk.block_index != group[-1].block_index or group_bytes >= BLOCK_BYTES):
+            slot = _place_group(group, out, slot, at_positions, parts)
+            group, group_bytes = [], 0
+        _check_shape(chunk, out)
+        group.append(chunk)
+        group_bytes += chunk.kv.nbytes
+    if group:
+        slot = _place_group(group, out, slot, at_positions, parts)
+    positions = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return Placed(positions, slot)
+
+
+def _place_group(
+    group: list[LoadedChunk], out: Array, slot: int, at_positions: bool, parts: list[Array]
+) -> int:
+    """Copy one group of chunks (one block's, as delivered); returns the next free slot."""
+    sizes = [len(c.positions) for c in group]
+    positions = np.concatenate([c.positions for c in group])
+    ends = slot + np.cumsum(sizes, dtype=np.int64)
+    starts = ends - np.asarray(sizes, np.int64)
+    if at_positions:
+        if len(positions) and (positions.min() < 0 or positions.max() >= out.shape[3]):
+            raise InvalidInputError(
+                f"chunk positions {positions.min()}..{positions.max()} lie outside the "
+                f"{out.shape[3]} slots of out"
+            )
+        local = starts - slot
+        runs = _runs(positions, local, local + np.asarray(sizes, np.int64))  # one vectorised pass
+        copies: list[Copy] = [
+            (out, slice(int(positions[a]), int(positions[a]) + n) if run else positions[a : a + n], c.kv)
+            for c, a, n, run in zip(group, local, sizes, runs, strict=True)
+        ]
+    else:
+        if int(ends[-1]) > out.shape[3]:
+            raise InvalidInputError(f"chunks fill {int(ends[-1])} slots, more than the {out.shape[3]} of out")
+        copies = [(out, slice(int(a), int(b)), c.kv) for c, a, b in zip(group, starts, ends, strict=True)]
+    run_copies(copies)
+    parts.append(positions)
+    return int(ends[-1])
+
+
+def _check_shape(chunk: LoadedChunk, out: Array) -> None:
+    kv, n = chunk.kv, len(chunk.positions)
+    if kv.ndim != 5 or kv.shape[:3] != out.shape[:3] or kv.shape[4] != out.shape[4] or kv.shape[3] != n:
+        raise InvalidInputError(
+            f"chunk {chunk.block_index}/{chunk.chunk_index} has KV shape {kv.shape}, which does not "
+            f"fit a destination of shape {out.shape} with {n} tokens"
+        )
+
+
+def _runs(positions: Array, starts: Array, ends: Array) -> list[bool]:
+    """Per chunk, whether its positions are consecutive and increasing (a slice of slots)."""
+    breaks = np.flatnonzero(np.diff(positions) != 1)  # i: positions[i + 1] != positions[i] + 1
+    # A chunk [a, b) is a run if no break lies in [a, b - 1).
+    first_break = np.searchsorted(breaks, starts)
+    return [bool(k >= len(breaks) or breaks[k] >= b - 1) for k, b in zip(first_break, ends, strict=True)]
+
+
+def run_copies(copies: Sequence[Copy]) -> None:
+    """`dst[:, :, :, index] = src` for each copy; in two threads when they are large.
+
+    The copies must write disjoint parts of their destinations.
+    """
+    total = sum(src.nbytes for _, _, src in copies)
+    if total < PARALLEL_MIN_BYTES or len(copies) < 2 or not parallel_copies():
+        _copy_all(copies)
+        return
+    half, acc = len(copies), 0
+    for i, (_, _, src) in enumerate(copies):
+        acc += src.nbytes
+        if 2 * acc >= total:
+            half = i + 1
+            break
+    future = _executor().submit(_copy_all, copies[half:])
+    try:
+        _copy_all(copies[:half])
+    finally:
+        future.result()  # never returns with a copy still running; re-raises its error
+
+
+def _copy_all(copies: Sequence[Copy]) -> None:
+    for dst, index, src in copies:
+        dst[:, :, :, index] = src
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsieve-copy")
+        return _pool

@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench import grpc_floor
 from bench.sidecar import Sidecar
 from bench.store_bench import SMOLLM2_SHAPE
 from kvstore.alloc import keep_large_buffers
 from kvstore.client import KVClient
 from kvstore.place import place_chunks
+from kvstore.transport import channel_options
 
 MODEL = SMOLLM2_SHAPE
 
@@ -43,6 +50,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         finally:
             server.kill()
     result["raw_tcp_mb_s"] = round(_tcp_mb_s(kv.nbytes, repeats), 1)
+    result["grpc_floor_mb_s"] = round(_grpc_floor_mb_s(kv.nbytes, repeats), 1)
+    result["grpc_vs_floor"] = round(result["grpc_stream_mb_s"] / result["grpc_floor_mb_s"], 3)
     result["memcpy_mb_s"] = round(_memcpy_mb_s(kv, out, repeats), 1)
     result["grpc_vs_tcp"] = round(result["grpc_stream_mb_s"] / result["raw_tcp_mb_s"], 3)
     result["shm_vs_memcpy"] = round(result["shm_mb_s"] / result["memcpy_mb_s"], 3)
@@ -50,7 +59,10 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _start_server(data_dir: Path) -> Sidecar:
-    return Sidecar(data_dir, ["--metrics-listen", ""]).start()
+    # The store's default geometry (256-token blocks, 16-token chunks), not the small one tests use.
+    return Sidecar(
+        data_dir, ["--metrics-listen", "", "--block-tokens", "256", "--chunk-tokens", "16"]
+    ).start()
 
 
 def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: bool) -> dict[str, Any]:
@@ -64,7 +76,13 @@ def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: b
             raise RuntimeError("loaded KV differs from stored KV")
         grpc_s = [_load_into(plain, tokens, out) for _ in range(repeats)]
         shm_s = [_load_shared(shm, tokens, kv) for _ in range(repeats + 1)][1:]  # 1st maps the arena
-        p50, p99 = _concurrent_lookups(server.address, tokens, 200 if quick else 1000)
+        per_client = 200 if quick else 1000
+        p50, p99 = _concurrent_calls(
+            lambda: KVClient(server.address), lambda c: c.lookup(tokens, model=MODEL), per_client
+        )
+        floor50, floor99 = _concurrent_calls(
+            lambda: _HealthClient(server.address), _HealthClient.check, per_client
+        )
         store_grpc, store_shm = _stores(plain, shm, kv, repeats)
     return {
         "store_grpc_mb_s": round(kv.nbytes / statistics.median(store_grpc) / 1e6, 1),
@@ -77,6 +95,9 @@ def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: b
         "lookup_p50_ms": round(p50 / 1e3, 3),
         "lookup_p99_ms": round(p99 / 1e3, 3),
         "lookup_clients": 8,
+        "unary_floor_p50_ms": round(floor50 / 1e3, 3),
+        "unary_floor_p99_ms": round(floor99 / 1e3, 3),
+        "lookup_vs_unary_floor": round(p50 / floor50, 3),
     }
 
 
@@ -119,16 +140,19 @@ def _load_shared(client: KVClient, tokens: Any, expected: Any) -> float:
     return elapsed
 
 
-def _concurrent_lookups(address: str, tokens: Any, per_client: int) -> tuple[float, float]:
+def _concurrent_calls(
+    open_client: Callable[[], Any], call: Callable[[Any], object], per_client: int
+) -> tuple[float, float]:
+    """p50 and p99 microseconds of `call`, made by 8 clients (threads) at once."""
     samples: list[float] = []
     lock = threading.Lock()
 
     def worker() -> None:
         local = []
-        with KVClient(address) as client:
+        with open_client() as client:
             for _ in range(per_client):
                 t0 = time.perf_counter()
-                client.lookup(tokens, model=MODEL)
+                call(client)
                 local.append((time.perf_counter() - t0) * 1e6)
         with lock:
             samples.extend(local)
@@ -140,6 +164,49 @@ def _concurrent_lookups(address: str, tokens: Any, per_client: int) -> tuple[flo
         t.join()
     samples.sort()
     return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+
+
+class _HealthClient:
+    """grpc's health check on the sidecar: the cheapest call it answers (no store work), so
+    the floor under any unary call, lookups included, from the same clients and server."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+
+    def check(self) -> None:
+        self._stub.Check(health_pb2.HealthCheckRequest())
+
+    def __enter__(self) -> _HealthClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._channel.close()
+
+
+def _grpc_floor_mb_s(nbytes: int, repeats: int) -> float:
+    """MB/s of a bare gRPC stream (bench/grpc_floor.py, its own process) carrying `nbytes` in
+    messages of one SmolLM2 block each, as the Load stream batches them."""
+    size = 16 * MODEL.token_bytes * 16  # 16 chunks of 16 tokens: one block per message
+    count = max(1, nbytes // size)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.grpc_floor", str(size), str(count)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline().split()[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options(64 << 20)) as channel:
+            stream = channel.unary_stream(grpc_floor.METHOD)
+            sum(len(m) for m in stream(b""))  # connect and warm up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                received = sum(len(m) for m in stream(b""))
+                times.append(time.perf_counter() - t0)
+    finally:
+        proc.kill()
+        proc.wait()
+    return received / statistics.median(times) / 1e6
 
 
 def _tcp_mb_s(nbytes: int, repeats: int) -> float:

@@ -52,7 +52,7 @@ def server_side(request: bytes, chunks: list[LoadedChunk]) -> list[bytes]:
     limit = ServerConfig().max_message_bytes // 2
     out = []
     while response := writer.next_batch(_CHUNKS_PER_MESSAGE, limit):
-        out.append(response.SerializeToString())
+        out.append(response)  # already serialized (kvstore/server/batch_wire.py)
     return out
 
 

@@ -22,6 +22,7 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.alloc import keep_large_buffers
 from kvstore.config import StoreConfig
+from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
@@ -65,7 +66,7 @@ async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServe
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     servicer = KVCacheServicer(store, config, metrics)
-    pb_grpc.add_KVCacheServicer_to_server(servicer, server)
+    add_kvcache_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -83,6 +84,36 @@ async def _sweep_arenas(servicer: KVCacheServicer, every_s: float = 2.0) -> None
     while True:
         await asyncio.sleep(every_s)
         await asyncio.to_thread(servicer.arenas.sweep)
+
+
+def add_kvcache_servicer(servicer: KVCacheServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with Load's response serializer replaced: its batches
+    arrive serialized (kvstore/server/batch_wire.py), everything else as messages."""
+    captured = _CapturedHandlers()
+    pb_grpc.add_KVCacheServicer_to_server(servicer, captured)
+    handlers = dict(captured.handlers)
+    handlers["Load"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Load,
+        request_deserializer=pb.LoadRequest.FromString,
+        response_serializer=serialize_load_response,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class _CapturedHandlers:
+    """Stands in for a server to read the method handlers the generated code registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.handlers = handlers
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:

@@ -12,7 +12,8 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LoadedChunk, LoadStream
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
-from kvstore.place import Copy, run_copies
+from kvstore.place import Array, Copy, run_copies
+from kvstore.server.batch_wire import encode_batch
 from kvstore.shm import ServerArena, dense_view
 from kvstore.wire import kv_from_bytes
 
@@ -29,16 +30,19 @@ class ChunkWriter:
         self._dense = None if arena is None else dense_view(arena.buf, model)
         self._slot = 0
         self._copies: list[Copy] = []
+        self._payloads: list[Array | None] = []
         # Slot = position: the client gets the prefix in position order, no reorder copy.
         self.by_position = by_position and self._dense is not None
 
-    def next_batch(self, max_chunks: int, max_bytes: int, max_shm_chunks: int = 0) -> pb.LoadResponse | None:
-        """One message with up to `max_chunks` inline chunks and about `max_bytes` inline bytes,
-        or up to `max_shm_chunks` (default `max_chunks`) chunks in all when they went to shm."""
+    def next_batch(self, max_chunks: int, max_bytes: int, max_shm_chunks: int = 0) -> bytes | None:
+        """One serialized `LoadResponse` batch with up to `max_chunks` inline chunks and about
+        `max_bytes` inline bytes, or up to `max_shm_chunks` (default `max_chunks`) chunks in
+        all when they went to shm (kvstore/server/batch_wire.py serializes it)."""
         response = pb.LoadResponse()
         batch = response.batch
         inline = inline_chunks = 0
         self._copies = []  # into the arena, after the batch is read: two threads
+        self._payloads = []  # inline KV, appended when serialized
         for chunk in self._chunks:
             placed = self._fill(batch.chunks.add(), chunk)  # in place: no sub-message copy
             inline, inline_chunks = inline + placed, inline_chunks + bool(placed)
@@ -49,7 +53,7 @@ class ChunkWriter:
             ):
                 break
         run_copies(self._copies)
-        return response if len(batch.chunks) else None
+        return encode_batch(batch.chunks, self._payloads) if len(batch.chunks) else None
 
     def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
         """Fill `message`; returns the bytes placed inline (0 when they went to shm)."""
@@ -69,8 +73,9 @@ class ChunkWriter:
             self._copies.append((self._dense, slice(self._slot, self._slot + n), chunk.kv))
             message.shm.slot, message.shm.num_tokens = self._slot, n
             self._slot += n
+            self._payloads.append(None)
             return 0
-        message.data = np.ascontiguousarray(chunk.kv).tobytes()
+        self._payloads.append(chunk.kv)
         return int(chunk.kv.nbytes)
 
     def _place_by_position(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
@@ -79,13 +84,14 @@ class ChunkWriter:
         positions = chunk.positions
         lo, hi = int(positions.min()), int(positions.max())
         if hi >= self._dense.shape[3]:
-            message.data = np.ascontiguousarray(chunk.kv).tobytes()
+            self._payloads.append(chunk.kv)
             return int(chunk.kv.nbytes)
         if hi - lo + 1 == len(positions) and bool(np.all(positions[1:] > positions[:-1])):
             self._copies.append((self._dense, slice(lo, hi + 1), chunk.kv))  # a run: a slice
         else:
             self._copies.append((self._dense, positions, chunk.kv))
         message.shm.slot, message.shm.num_tokens = lo, len(positions)
+        self._payloads.append(None)
         return 0
 
 

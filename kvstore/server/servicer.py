@@ -126,7 +126,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             )
 
     @override
-    async def Load(self, request: pb.LoadRequest, context: Any) -> AsyncIterator[pb.LoadResponse]:
+    async def Load(self, request: pb.LoadRequest, context: Any) -> AsyncIterator[pb.LoadResponse | bytes]:
         async with self._guard(context), self._streaming():
             started = time.perf_counter()
             model, namespace, token = self._authorised(context, request.ctx)

@@ -2,7 +2,9 @@
 
 Random fp16 KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 64:
 23,040 B/token). Every figure is measured in the same run, and the targets are
-ratios, because this machine is shared and absolute speeds drift.
+ratios, because this machine is shared and absolute speeds drift: each cold load
+is paired with a cold sequential read of as many bytes taken right after it, and
+`disk_vs_seq` is the median of the pairs' ratios.
 """
 
 from __future__ import annotations

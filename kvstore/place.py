@@ -173,3 +173,14 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsieve-copy")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child (an engine's worker process) has no copy of the pool's thread: an
+    inherited executor would queue copies that nothing runs. The child makes its own."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)

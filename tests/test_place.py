@@ -4,7 +4,10 @@ bad input that leaves the destination untouched."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +141,26 @@ def test_a_real_load_with_importance_order_places_every_token(tmp_path: Path) ->
             assert placed.num_tokens == 256
             assert sorted(placed.positions.tolist()) == list(range(256))
             assert np.array_equal(out, kv)
+
+
+def test_a_forked_child_places_with_its_own_copy_thread() -> None:
+    """The parent's pool thread does not exist in a forked child: the child must not wait on it."""
+    kv = make_kv(WIDE, 4096)
+    chunks = _chunks(kv, np.arange(4096), 16, 2048)
+    place_chunks(chunks, np.zeros_like(kv), at_positions=True)  # the parent's pool now exists
+    pid = os.fork()
+    if pid == 0:  # child: place again and report by exit code (never run pytest's teardown)
+        out = np.zeros_like(kv)
+        place_chunks(chunks, out, at_positions=True)
+        os._exit(0 if np.array_equal(out, kv) else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung placing chunks")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -201,3 +202,39 @@ def test_lmdb_full_map_with_a_budget_is_a_clear_error(tmp_path: Path) -> None:
         t.put_block(meta, [bytes(80 << 20)])
     assert t.usage().num_blocks == 0
     t.close()
+
+
+def test_lmdb_reads_racing_map_growth_never_fail(tmp_path: Path) -> None:
+    """Growing the map remaps the file: readers on other threads must wait, not fail."""
+    t = create_tier("lmdb", path=tmp_path / "race", initial_map_bytes=1 << 20)
+    meta, chunks = make_block(1, num_chunks=8, chunk_tokens=64)
+    t.put_block(meta, chunks)
+    stop = threading.Event()
+    errors: list[str] = []
+    reads = [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                got = t.get_chunks(meta, range(8))
+                assert [bytes(g) for g in got if g is not None] == chunks
+                reads[0] += 1
+            except Exception as exc:  # any failure is the bug under test
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    start_map = t._env.info()["map_size"]  # type: ignore[attr-defined]
+    for i in range(48):  # ~24 MiB of blocks: the map doubles five times or more
+        big_meta, _ = make_block(100 + i, num_chunks=1)
+        t.put_block(big_meta, [bytes(512 << 10)])
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    grown = t._env.info()["map_size"]  # type: ignore[attr-defined]
+    t.close()
+    assert grown >= 16 * start_map
+    assert reads[0] > 0
+    assert errors == []

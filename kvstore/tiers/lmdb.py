@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -30,6 +31,7 @@ from kvstore.meta import BlockMeta
 from kvstore.tiers.base import Span, TierUsage
 from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 from kvstore.tiers.lmdbread import HintThread, MapReader
+from kvstore.tiers.mapguard import MapGuard
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -65,6 +67,7 @@ class LmdbTier:
         self._capacity = capacity_bytes
         self._growable = capacity_bytes is None
         self._write_lock = threading.Lock()
+        self._map_guard = MapGuard()  # read transactions against a resize of the map
         self._env, self._chunks_db, self._blocks_db = self._open_env()
         try:
             self._used, self._num_blocks, self._num_chunks = self._scan_usage()
@@ -129,8 +132,9 @@ class LmdbTier:
                 except lmdb.MapFullError as exc:
                     if not self._growable or attempt == 7:
                         raise TierFullError(f"LMDB map at {self._path} is full") from exc
-                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
-                    self._reader.invalidate()  # the map may have moved
+                    with self._map_guard.resizing():  # no read transaction may be open meanwhile
+                        self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                        self._reader.invalidate()  # the map may have moved
             for old, (_meta, chunks) in zip(olds, blocks, strict=True):
                 if old is not None:
                     self._account(-old.nbytes, -1, -old.num_chunks)
@@ -168,7 +172,7 @@ class LmdbTier:
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         """The chunks, read through one cursor: a block's chunk keys sort adjacently, so the
         cursor stays on the same leaf page; the values are read with pread (kvstore/tiers/lmdbread.py)."""
-        with self._env.begin(db=self._chunks_db, buffers=True) as txn:
+        with self._read_txn(self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
             views = [
                 cursor.value() if cursor.set_key(chunk_key(meta.key, meta.layout_version, index)) else None
@@ -179,7 +183,7 @@ class LmdbTier:
     def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
         """Slices of one value, copied out inside the read transaction: slicing the map's
         memoryview touches only those pages (a partial read of a layer record)."""
-        with self._env.begin(db=self._chunks_db, buffers=True) as txn:
+        with self._read_txn(self._chunks_db, buffers=True) as txn:
             value = txn.get(chunk_key(meta.key, meta.layout_version, index))
             if value is None:
                 return None
@@ -200,7 +204,7 @@ class LmdbTier:
         """Locate each block's first chunk and hint its bytes at once, in load order: the disk
         reads block 1 while block 2's B-tree page is still being faulted in."""
         hint_errors = contextlib.suppress(lmdb.Error, OSError)
-        with hint_errors, self._env.begin(db=self._chunks_db, buffers=True) as txn:
+        with hint_errors, self._read_txn(self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
             for key, version, first, nbytes in wanted:  # a block's chunks lie in index order
                 if cursor.set_key(chunk_key(key, version, first)):
@@ -212,7 +216,7 @@ class LmdbTier:
         return self._get_meta_raw(key)
 
     def contains(self, key: bytes) -> bool:
-        with self._env.begin(db=self._blocks_db) as txn:
+        with self._read_txn(self._blocks_db) as txn:
             return txn.get(key) is not None
 
     def delete_block(self, key: bytes) -> int:
@@ -241,7 +245,7 @@ class LmdbTier:
 
     def iter_meta_raw(self) -> Iterator[tuple[bytes, BlockMeta | str]]:
         """Every metadata record as (key, verified meta, or why it failed verification)."""
-        with self._env.begin(db=self._blocks_db) as txn:
+        with self._read_txn(self._blocks_db) as txn:
             records = list(txn.cursor())
         for key, value in records:
             try:
@@ -251,7 +255,7 @@ class LmdbTier:
 
     def iter_chunk_keys(self) -> Iterator[bytes]:
         """Keys of every stored chunk (for fsck and orphan sweeping)."""
-        with self._env.begin(db=self._chunks_db) as txn:
+        with self._read_txn(self._chunks_db) as txn:
             keys = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
         return iter(keys)
 
@@ -281,7 +285,7 @@ class LmdbTier:
         return max(_MIN_MAP_BYTES, self._capacity * _MAP_OVERHEAD, existing)
 
     def _get_meta_raw(self, key: bytes) -> BlockMeta | None:
-        with self._env.begin(db=self._blocks_db) as txn:
+        with self._read_txn(self._blocks_db) as txn:
             value = txn.get(key)
         return None if value is None else _verified(key, value)
 
@@ -291,6 +295,14 @@ class LmdbTier:
             return self._get_meta_raw(key)
         except ChecksumError:
             return None
+
+    @contextmanager
+    def _read_txn(self, db: lmdb._Database, buffers: bool = False) -> Iterator[Any]:
+        """A read transaction that a resize of the map waits for (kvstore/tiers/mapguard.py)."""
+        with self._map_guard.reading():
+            txn = self._env.begin(db=db, buffers=True) if buffers else self._env.begin(db=db)
+            with txn:
+                yield txn
 
     @contextmanager
     def _write_txn(self) -> Iterator[lmdb.Transaction]:

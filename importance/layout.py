@@ -79,16 +79,24 @@ def rank_chunks(
 
 def _block_rows(block: int, scores: np.ndarray[Any, Any], size: int, as_sum: bool) -> np.ndarray[Any, Any]:
     """(block, chunk, tokens, value) rows of one block's chunks, computed in one pass
-    (a loop over chunks cost ~0.8 ms of every 2,048-token load)."""
+    (a loop over chunks cost ~0.8 ms of every 2,048-token load). Each value is the same
+    float the loop computed (`part.sum()` / `part.mean()`: numpy's pairwise sum per row),
+    so exact ties between chunks stay ties."""
     n = len(scores)
     full = n // size
+    values = []
+    if full:
+        rows2d = np.ascontiguousarray(scores[: full * size]).reshape(full, size)
+        values.append(rows2d.sum(axis=1) if as_sum else rows2d.mean(axis=1))
+    if n % size:
+        tail = scores[full * size :]
+        values.append(np.array([tail.sum() if as_sum else tail.mean()]))
     counts = np.full(full + (n % size > 0), size, np.float64)
     if n % size:
         counts[-1] = n % size
-    sums = np.add.reduceat(scores, np.arange(0, n, size)) if n else np.zeros(0)
     rows = np.empty((len(counts), 4), np.float64)
     rows[:, 0], rows[:, 1], rows[:, 2] = block, np.arange(len(counts)), counts
-    rows[:, 3] = sums if as_sum else sums / counts
+    rows[:, 3] = np.concatenate(values) if values else np.zeros(0)
     return rows
 
 

@@ -95,9 +95,11 @@ class RemoteLoadStream:
         Through shared memory the KV is a read-only view of the arena, copied by
         nobody (valid until `close`); otherwise the chunks are concatenated.
         """
-        self._gathering = True  # an error ends the stream: no chunk is read with it left set
-        chunks = list(self)
-        self._gathering = False
+        self._gathering = True
+        try:
+            chunks = list(self)
+        finally:
+            self._gathering = False
         slots = sum(len(c.positions) for c in chunks)
         if self._dense is not None and chunks and self._dense_slots == slots and self._by_position:
             return gather_by_position(self._dense, np.concatenate([c.positions for c in chunks]))

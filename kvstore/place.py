@@ -108,11 +108,14 @@ def _place_group(
                 f"chunk positions {positions.min()}..{positions.max()} lie outside the "
                 f"{out.shape[3]} slots of out"
             )
+        if len(np.unique(positions)) != len(positions):  # two threads: the winner would be chance
+            raise InvalidInputError("chunks of one block name the same position twice")
         local = starts - slot
         runs = _runs(positions, local, local + np.asarray(sizes, np.int64))  # one vectorised pass
         copies: list[Copy] = [
             (out, slice(int(positions[a]), int(positions[a]) + n) if run else positions[a : a + n], c.kv)
             for c, a, n, run in zip(group, local, sizes, runs, strict=True)
+            if n  # a chunk of no tokens copies nothing (and has no first position)
         ]
     else:
         if int(ends[-1]) > out.shape[3]:

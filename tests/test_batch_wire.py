@@ -57,3 +57,15 @@ def test_the_serializer_passes_encoded_batches_through_and_serializes_messages()
     assert serialize_load_response(encoded) is encoded
     trailer = pb.LoadResponse(trailer=pb.LoadTrailer(num_tokens=7))
     assert serialize_load_response(trailer) == trailer.SerializeToString()
+
+
+def test_bfloat16_and_empty_payloads_are_sent_byte_for_byte() -> None:
+    """bfloat16 arrays export no buffer format and an empty view cannot be cast: both must
+    still travel as their bytes (tobytes is the reference)."""
+    import ml_dtypes
+
+    bf16 = np.random.default_rng(1).standard_normal((2, 2, 1, 8, 4)).astype(ml_dtypes.bfloat16)
+    empty = np.zeros((2, 2, 1, 0, 4), np.float16)
+    parsed = pb.LoadResponse.FromString(encode_batch([_chunk(0), _chunk(1)], [bf16, empty]))
+    assert parsed.batch.chunks[0].data == bf16.tobytes()
+    assert parsed.batch.chunks[1].data == b""

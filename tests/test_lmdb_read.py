@@ -80,18 +80,41 @@ def test_buffers_outside_the_map_are_copied(tmp_path: Path) -> None:
 
 def test_hint_thread_runs_jobs_in_order_off_the_caller_and_close_joins_it() -> None:
     hints = HintThread("kvsieve-readahead-test")
-    release = threading.Event()
+    release, both_ran = threading.Event(), threading.Event()
     ran: list[tuple[int, str]] = []
     hints.submit(lambda: (release.wait(5), ran.append((0, threading.current_thread().name))))
-    hints.submit(lambda: ran.append((1, threading.current_thread().name)))
+    hints.submit(lambda: (ran.append((1, threading.current_thread().name)), both_ran.set()))
     assert ran == []  # submit returned while the first job still waits: the caller is never held
     release.set()
+    assert both_ran.wait(5)
     hints.close()
     assert [i for i, _ in ran] == [0, 1]
     assert {name for _, name in ran} == {"kvsieve-readahead-test"}
     assert not any(t.name == "kvsieve-readahead-test" for t in threading.enumerate())
     hints.submit(lambda: ran.append((2, "late")))  # after close: ignored, no thread started
     assert len(ran) == 2
+
+
+def test_a_failing_hint_does_not_stop_the_next_and_close_drops_queued_ones() -> None:
+    hints = HintThread("kvsieve-readahead-test2")
+    ran: list[int] = []
+    release, second_ran, third_started = threading.Event(), threading.Event(), threading.Event()
+
+    def failing() -> None:
+        raise RuntimeError("a hint that fails")
+
+    hints.submit(failing)
+    hints.submit(lambda: (ran.append(1), second_ran.set()))
+    assert second_ran.wait(5)  # the failure ended only its own job
+    hints.submit(lambda: (third_started.set(), release.wait(5), ran.append(2)))
+    hints.submit(lambda: ran.append(3))  # queued behind a running job when close() comes
+    assert third_started.wait(5)
+    closer = threading.Thread(target=hints.close)
+    closer.start()
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert ran == [1, 2]  # the running job finished; the queued one was dropped
 
 
 def test_prefetch_returns_at_once_and_close_waits_for_its_hints(tmp_path: Path) -> None:

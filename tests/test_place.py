@@ -164,3 +164,26 @@ def test_a_forked_child_places_with_its_own_copy_thread() -> None:
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung placing chunks")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_chunks_of_no_tokens_are_skipped_anywhere_in_a_block(tiny: ModelSpec) -> None:
+    kv = make_kv(tiny, 16)
+    chunks = _chunks(kv, np.arange(16), 8, 16)
+    empty = LoadedChunk(0, 9, np.zeros(0, np.int64), kv[:, :, :, :0], "memory", 0)
+    for at_positions in (True, False):
+        out = np.zeros_like(kv)
+        placed = place_chunks([empty, chunks[0], empty, chunks[1], empty], out, at_positions=at_positions)
+        assert placed.num_tokens == 16
+        assert np.array_equal(out, kv)
+        only_empty = place_chunks([empty], np.zeros_like(kv), at_positions=at_positions)
+        assert only_empty.num_tokens == 0
+
+
+def test_a_position_named_twice_in_a_block_is_refused(tiny: ModelSpec) -> None:
+    kv = make_kv(tiny, 16)
+    chunks = _chunks(kv, np.arange(16), 8, 16)
+    twice = LoadedChunk(0, 1, chunks[0].positions, chunks[1].kv, "memory", 0)
+    out = np.zeros_like(kv)
+    with pytest.raises(InvalidInputError, match="same position twice"):
+        place_chunks([chunks[0], twice], out, at_positions=True)
+    assert not out.any()

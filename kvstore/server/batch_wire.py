@@ -54,7 +54,8 @@ def encode_batch(chunks: Sequence[pb.Chunk], payloads: Sequence[Array | None]) -
     batch_len = 0
     for chunk, payload in zip(chunks, payloads, strict=True):
         small = chunk.SerializeToString()
-        data = None if payload is None else np.ascontiguousarray(payload).data.cast("B")
+        # Bytes of any dtype and size (bfloat16 exports no buffer format; a 0-byte view cannot be cast).
+        data = None if payload is None else np.ascontiguousarray(payload).reshape(-1).view(np.uint8).data
         data_head = b"" if data is None else _DATA_TAG + _varint(len(data))
         chunk_len = len(small) + len(data_head) + (0 if data is None else len(data))
         head = _CHUNKS_TAG + _varint(chunk_len)

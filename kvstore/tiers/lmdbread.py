@@ -13,6 +13,7 @@ pages; every value is still verified by its checksum after the read.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # Values closer than this in the file are read together (the bytes between are page headers).
 MERGE_GAP = 64 << 10
@@ -156,7 +159,8 @@ class HintThread:
         self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` after the jobs before it; ignored once closed. `job` must not raise."""
+        """Run `job` after the jobs before it; ignored once closed. An exception it raises is
+        logged (debug) and ends only that job."""
         with self._lock:
             if self._closed:
                 return
@@ -166,7 +170,7 @@ class HintThread:
             self._jobs.put(job)
 
     def close(self) -> None:
-        """Finish the jobs queued so far and stop. Idempotent."""
+        """Stop: the job running finishes, queued ones are dropped. Idempotent."""
         with self._lock:
             self._closed = True
             thread, self._thread = self._thread, None
@@ -177,4 +181,9 @@ class HintThread:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job()
+            if self._closed:  # closing: the loads these hints were for are over
+                continue
+            try:
+                job()
+            except Exception:  # a hint only: one that fails must not end the hints after it
+                logger.debug("read-ahead hint failed", exc_info=True)

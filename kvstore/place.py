@@ -100,7 +100,7 @@ def _place_group(
     """Copy one group of chunks (one block's, as delivered); returns the next free slot."""
     sizes = [len(c.positions) for c in group]
     positions = np.concatenate([c.positions for c in group])
-    ends = slot + np.cumsum(sizes, dtype=np.int64)
+    ends = np.cumsum(sizes, dtype=np.int64)  # within the group
     starts = ends - np.asarray(sizes, np.int64)
     if at_positions:
         if len(positions) and (positions.min() < 0 or positions.max() >= out.shape[3]):
@@ -110,20 +110,24 @@ def _place_group(
             )
         if len(np.unique(positions)) != len(positions):  # two threads: the winner would be chance
             raise InvalidInputError("chunks of one block name the same position twice")
-        local = starts - slot
-        runs = _runs(positions, local, local + np.asarray(sizes, np.int64))  # one vectorised pass
+        runs = _runs(positions, starts, ends)  # one vectorised pass
         copies: list[Copy] = [
             (out, slice(int(positions[a]), int(positions[a]) + n) if run else positions[a : a + n], c.kv)
-            for c, a, n, run in zip(group, local, sizes, runs, strict=True)
+            for c, a, n, run in zip(group, starts, sizes, runs, strict=True)
             if n  # a chunk of no tokens copies nothing (and has no first position)
         ]
     else:
-        if int(ends[-1]) > out.shape[3]:
-            raise InvalidInputError(f"chunks fill {int(ends[-1])} slots, more than the {out.shape[3]} of out")
-        copies = [(out, slice(int(a), int(b)), c.kv) for c, a, b in zip(group, starts, ends, strict=True)]
+        if slot + int(ends[-1]) > out.shape[3]:
+            raise InvalidInputError(
+                f"chunks fill {slot + int(ends[-1])} slots, more than the {out.shape[3]} of out"
+            )
+        copies = [
+            (out, slice(slot + int(a), slot + int(b)), c.kv)
+            for c, a, b in zip(group, starts, ends, strict=True)
+        ]
     run_copies(copies)
     parts.append(positions)
-    return int(ends[-1])
+    return slot + int(ends[-1])
 
 
 def _check_shape(chunk: LoadedChunk, out: Array) -> None:

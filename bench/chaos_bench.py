@@ -255,7 +255,7 @@ def _restart_on_full_disk(server: Sidecar) -> str:
 
 
 def _fill(server: Sidecar, tally: Tally, seconds: float) -> None:
-    from kvstore.client import RpcFailedError
+    from kvstore.errors import RpcFailedError
 
     deadline = time.monotonic() + seconds
     stored: list[Prefix] = []

@@ -20,7 +20,7 @@ import numpy as np
 from importance.lowbit import dequantize, packed_bytes, quantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.results import check_layer
+from kvstore.values import check_layer
 
 Array = np.ndarray[Any, Any]
 SUMMARY_BITS = 2

@@ -16,32 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import numpy as np
-
-from kvstore.budget import AutoBudget, Budget
+from kvstore.budget import Budget
 from kvstore.model import ModelSpec
-from kvstore.results import DEFAULT_NAMESPACE, LoadedChunk, LookupResult, StoreResult
 from kvstore.stats import StoreStats
+from kvstore.values import DEFAULT_NAMESPACE, Array, LoadedChunk, LookupResult, StoreResult
 
-Array = np.ndarray[Any, Any]
 Tokens = Sequence[int] | Array
-
-__all__ = [
-    "DEFAULT_NAMESPACE",
-    "AutoBudget",
-    "Budget",
-    "LayerSlice",
-    "LayeredLoad",
-    "Lease",
-    "LoadStream",
-    "LoadedChunk",
-    "LookupResult",
-    "PrefixStore",
-    "StoreInfo",
-    "StoreResult",
-]
 
 
 @dataclass(frozen=True)

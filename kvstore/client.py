@@ -24,20 +24,13 @@ from kvstore.api import Lease, StoreInfo, Tokens
 from kvstore.budget import Budget, budget_to_fields, resolve_budget
 from kvstore.client_arenas import ArenaPool, ClientArena
 from kvstore.client_layers import EmptyLayeredLoad, RemoteLayeredLoad
-from kvstore.client_stream import RemoteLoadStream as RemoteLoadStream  # re-export
-from kvstore.client_stream import domain_error
-from kvstore.errors import NotFoundError
-from kvstore.errors import RpcFailedError as RpcFailedError  # re-export (old home)
+from kvstore.client_stream import RemoteLoadStream, domain_error
+from kvstore.errors import NotFoundError, RpcFailedError
 from kvstore.keys import as_token_array, validate_namespace
 from kvstore.model import ModelSpec
-from kvstore.results import (
-    DEFAULT_NAMESPACE,
-    LookupResult,
-    StoreResult,
-    validate_kv,
-)
 from kvstore.stats import StoreStats
 from kvstore.transport import channel_options, is_loopback
+from kvstore.values import DEFAULT_NAMESPACE, LookupResult, StoreResult, validate_kv
 from kvstore.wire import ctx_to_pb, kv_bytes, stats_from_pb
 
 Array = np.ndarray[Any, Any]

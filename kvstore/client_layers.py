@@ -23,7 +23,7 @@ from kvstore.api import LayerSlice
 from kvstore.client_stream import domain_error
 from kvstore.errors import InvalidInputError, StorageUnavailableError
 from kvstore.model import ModelSpec
-from kvstore.results import check_layer
+from kvstore.values import check_layer
 
 Array = np.ndarray[Any, Any]
 _END = None  # what ends the request iterator (and so the stream, from our side)

@@ -34,7 +34,7 @@ from kvstore.eviction import create_policy
 from kvstore.leases import LeaseTable
 from kvstore.meta import BlockMeta
 from kvstore.stats import Counters
-from kvstore.tiers import Tier
+from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 from radix import MatchResult, Node, RadixTree, RootId
 

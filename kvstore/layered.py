@@ -24,9 +24,9 @@ from kvstore.layer_record import decode_layer_record
 from kvstore.layered_blocks import RangedHeader, read_chunk_runs, read_header, reads_whole
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
-from kvstore.results import Array, check_layer
 from kvstore.stats import Counters
 from kvstore.summary import DecodedSummary, decode_summary, summary_record_bytes
+from kvstore.values import Array, check_layer
 from radix import MatchResult
 
 if TYPE_CHECKING:

@@ -31,11 +31,11 @@ from kvstore.layer_record import (
 )
 from kvstore.layered_fetch import Fetched, RecordFetcher
 from kvstore.meta import BlockMeta
-from kvstore.results import Array, LoadedChunk
 from kvstore.summary import encode_summary, is_summary
+from kvstore.values import Array, LoadedChunk
 
 if TYPE_CHECKING:
-    from kvstore.tiers import Tier
+    from kvstore.tiers.base import Tier
 
 
 def reads_whole(needed: int, chunks_per_layer: int) -> bool:

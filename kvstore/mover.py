@@ -28,10 +28,11 @@ from kvstore.layered_blocks import encode_layered, load_units, memory_record, st
 from kvstore.layered_fetch import RecordFetcher
 from kvstore.meta import LAYERED, BlockMeta
 from kvstore.model import ModelSpec
-from kvstore.results import Array, LoadedChunk
 from kvstore.stats import Counters
-from kvstore.tiers import Tier
+from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.stack import TierStack
+from kvstore.values import Array, LoadedChunk
 from radix import MatchResult
 
 if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote tier loads it
@@ -60,12 +61,13 @@ class BlockMover:
     ) -> None:  # fmt: skip
         self._config = config
         self._index = index
+        self.tiers = TierStack(memory, tuple(local_durable), remote)
         self.memory = memory
         self.local_durable = list(local_durable)
         self.remote = remote
-        self.durable: list[Tier] = [*self.local_durable, *([] if remote is None else [remote.tier])]
+        self.durable: list[Tier] = list(self.tiers.durable)
         self._counters = counters
-        self.layer_records = RecordFetcher(self, index, counters)  # the layered layout's reads
+        self.layer_records = RecordFetcher(self.tiers, index, counters)  # the layered layout's reads
 
     # -- store path ---------------------------------------------------------------
 

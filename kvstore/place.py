@@ -20,14 +20,12 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvstore.errors import InvalidInputError
-
-if TYPE_CHECKING:  # kvstore.results gathers chunks with this module
-    from kvstore.results import LoadedChunk
+from kvstore.values import LoadedChunk
 
 Array = np.ndarray[Any, Any]
 

@@ -22,7 +22,7 @@ import numpy as np
 from importance.history import accumulate, decay_factor
 from importance.layout import DEFAULT_MIN_CHANGE, layout_change
 from kvstore.alloc import keep_large_buffers
-from kvstore.api import Lease, LoadStream, StoreInfo, Tokens
+from kvstore.api import Lease, StoreInfo, Tokens
 from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
@@ -34,34 +34,16 @@ from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.mover import BlockMover
-from kvstore.results import (
-    DEFAULT_NAMESPACE,
-    Array,
-    LoadedChunk,
-    LocalLoadStream,
-    LookupResult,
-    StoreResult,
-    gather_chunks,
-    validate_kv,
-)
+from kvstore.results import LocalLoadStream
 from kvstore.stats import Counters, StoreStats
-from kvstore.tiers import Tier, create_tier
+from kvstore.tiers import create_tier
+from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.values import DEFAULT_NAMESPACE, Array, LookupResult, StoreResult, validate_kv
 from radix import MatchResult, RadixTree
 
 if TYPE_CHECKING:
     from kvstore.remote import RemoteLink
-
-__all__ = [
-    "DEFAULT_NAMESPACE",
-    "LoadStream",
-    "LoadedChunk",
-    "LookupResult",
-    "StoreResult",
-    "TieredStore",
-    "gather_chunks",
-    "validate_kv",
-]
 
 
 class TieredStore:

@@ -2,7 +2,7 @@
 
 The one place that knows both worlds: the servicer and the client call these and
 nothing else touches message fields by hand. Errors map to status codes in
-kvstore/server/status.py (re-exported here for older callers).
+kvstore/server/status.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ import numpy as np
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.errors import InvalidInputError
-from kvstore.errors import PermissionDeniedError as PermissionDeniedError  # re-export (old home)
-from kvstore.errors import UnauthenticatedError as UnauthenticatedError  # re-export (old home)
 from kvstore.model import ModelSpec
-from kvstore.server.status import error_for as error_for  # re-export (old home)
-from kvstore.server.status import status_for as status_for  # re-export (old home)
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierUsage
 

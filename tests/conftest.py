@@ -66,7 +66,7 @@ def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int, offse
     (the store is closed)."""
     import lmdb
 
-    from kvstore.tiers.base import chunk_key
+    from kvstore.keys import chunk_key
 
     env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)  # the file may exceed the default
     db = env.open_db(b"chunks")

@@ -18,9 +18,9 @@ from kvstore.client import KVClient
 from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec
-from kvstore.results import DEFAULT_NAMESPACE
 from kvstore.store import TieredStore
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
+from kvstore.values import DEFAULT_NAMESPACE
 
 B = 32  # block_tokens of every store here
 

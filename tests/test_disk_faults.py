@@ -26,14 +26,14 @@ from conftest import kvsieve as run_kvsieve
 from conftest import make_kv, make_tokens
 
 from bench.sidecar import Sidecar, free_port
-from kvstore.client import KVClient, RpcFailedError
+from kvstore.client import KVClient
 from kvstore.config import StoreConfig
-from kvstore.errors import DamagedStoreError, StorageUnavailableError, StoreFullError
+from kvstore.errors import DamagedStoreError, RpcFailedError, StorageUnavailableError, StoreFullError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
+from kvstore.server.status import status_for
 from kvstore.store import TieredStore
 from kvstore.tiers.lmdbfile import storage_error
-from kvstore.wire import status_for
 
 WIDE = ModelSpec("disk-test", num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB per 32-token block
 

@@ -17,11 +17,11 @@ from hostile import auth_sidecar, raw_stub, rss_bytes, wait_until
 
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore.api import Lease
 from kvstore.client import KVClient
-from kvstore.errors import StoreFullError
-from kvstore.leases import Lease
+from kvstore.errors import LimitExceededError, StoreFullError
 from kvstore.model import ModelSpec
-from kvstore.server.limits import LimitExceededError, TenantLeases
+from kvstore.server.limits import TenantLeases
 from kvstore.wire import ctx_to_pb
 
 

@@ -26,9 +26,10 @@ from bench.sidecar import Sidecar
 from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client import KVClient
+from kvstore.errors import ArenaLimitError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
-from kvstore.server.arenas import ArenaCache, ArenaLimitError, Owner
+from kvstore.server.arenas import ArenaCache, Owner
 from kvstore.wire import ctx_to_pb
 
 WIDE = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)  # 16 KiB per token

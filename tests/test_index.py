@@ -15,7 +15,8 @@ from kvstore.errors import StoreFullError
 from kvstore.index import StoreIndex
 from kvstore.meta import BlockMeta
 from kvstore.stats import Counters
-from kvstore.tiers import Tier, create_tier
+from kvstore.tiers import create_tier
+from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 
 ROOT = (NS, FP)

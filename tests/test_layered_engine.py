@@ -19,11 +19,12 @@ from engine_adapter.layered import chunk_positions, layered_prefill
 from engine_adapter.layered_policy import MIN_LAYERED_FRACTION, chunks_for_fraction, static_auto_fraction
 from importance.query_select import choose_layer_chunks
 from importance.summaries import ChunkLayout
-from kvstore.api import DEFAULT_NAMESPACE, Tokens
+from kvstore.api import Tokens
 from kvstore.budget import AutoBudget
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
+from kvstore.values import DEFAULT_NAMESPACE
 
 pytestmark = [pytest.mark.model]
 PREFIX = 256  # one store block

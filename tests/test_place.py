@@ -19,8 +19,9 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 from kvstore.place import place_chunks
-from kvstore.results import LoadedChunk, gather_chunks
+from kvstore.results import gather_chunks
 from kvstore.store import TieredStore
+from kvstore.values import LoadedChunk
 
 # 2 KiB per token, so 4,096 tokens (8 MiB) take the two-thread path.
 WIDE = ModelSpec("test-place-wide", num_layers=4, num_kv_heads=2, head_dim=64)

@@ -26,12 +26,12 @@ from kvstore.errors import (
     StoreFullError,
 )
 from kvstore.model import ModelSpec
-from kvstore.results import LookupResult
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
 from kvstore.server.status import STATUS_TABLE, error_for, status_for, status_of
 from kvstore.store import TieredStore
+from kvstore.values import LookupResult
 from kvstore.wire import ctx_to_pb
 
 

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from kvstore.codec import ChunkId, encode_chunk
+from kvstore.errors import TierFullError
 from kvstore.keys import ROOT_KEY, block_key
 from kvstore.meta import BlockMeta
-from kvstore.tiers import Tier, TierFullError, create_tier
+from kvstore.tiers import create_tier
+from kvstore.tiers.base import Tier
 
 FP, NS = b"f" * 16, b"n" * 16
 

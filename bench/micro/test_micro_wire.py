@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.client import ArenaPool, RemoteLoadStream
+from kvstore.api import LoadStream
+from kvstore.client_arenas import ArenaPool
+from kvstore.client_stream import RemoteLoadStream
 from kvstore.model import ModelSpec
-from kvstore.results import LoadedChunk
 from kvstore.server.chunks import ChunkWriter
 from kvstore.server.config import ServerConfig
 from kvstore.server.servicer import _CHUNKS_PER_MESSAGE
-from kvstore.store import LoadStream
+from kvstore.values import LoadedChunk
 from kvstore.wire import ctx_from_pb, ctx_to_pb, tokens_from_pb
 
 MODEL = ModelSpec("micro-smollm2", num_layers=30, num_kv_heads=3, head_dim=64)

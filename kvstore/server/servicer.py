@@ -21,10 +21,9 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, LoadStream
 from kvstore.budget import budget_from_fields
-from kvstore.errors import ArenaLimitError, InvalidInputError, NotFoundError
+from kvstore.errors import ArenaLimitError, InvalidInputError, LimitExceededError, NotFoundError
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
-from kvstore.results import LookupResult
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.chunks import ChunkWriter, receive_slices
@@ -32,7 +31,6 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.layers import serve_layers
 from kvstore.server.limits import (
     ByteBudget,
-    LimitExceededError,
     TenantLeases,
     check_token_count,
     request_tokens,
@@ -44,6 +42,7 @@ from kvstore.server.status import status_of
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
 from kvstore.shm import ServerArena
 from kvstore.store import TieredStore
+from kvstore.values import LookupResult
 from kvstore.wire import ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.

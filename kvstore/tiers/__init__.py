@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.errors import TierFullError
-from kvstore.keys import chunk_key
-from kvstore.tiers.base import Tier, TierUsage
-
-__all__ = ["Tier", "TierFullError", "TierUsage", "chunk_key", "create_tier"]
+from kvstore.tiers.base import Tier
 
 
 def create_tier(kind: str, **options: Any) -> Tier:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from kvstore.keys import chunk_key as chunk_key  # re-export (old home)
 from kvstore.meta import BlockMeta
 
 Span = tuple[int, int]  # a byte range [start, end) of one record

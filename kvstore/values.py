@@ -1,0 +1,71 @@
+"""The typed values of the store's API: what `lookup`, `store` and `load` return, and the
+checks every implementation runs on what it is given (kvstore/api.py is the contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvstore.errors import InvalidInputError
+from kvstore.model import ModelSpec
+
+Array = np.ndarray[Any, Any]
+DEFAULT_NAMESPACE = "default"
+
+
+class LookupResult(NamedTuple):
+    """Longest cached block-aligned prefix and where its blocks live."""
+
+    num_tokens: int
+    num_blocks: int
+    memory_blocks: int
+
+
+class StoreResult(NamedTuple):
+    """Outcome of `store`: cached prefix length afterwards and what was written."""
+
+    num_tokens: int
+    new_blocks: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class LoadedChunk:
+    """One chunk of a load: its tokens' original positions and their KV.
+
+    `kv` has shape (layers, 2, kv_heads, len(positions), head_dim) and may be a
+    read-only view of the memory tier: copy before mutating.
+    """
+
+    block_index: int
+    chunk_index: int
+    positions: Array
+    kv: Array
+    tier: str
+    nbytes: int
+
+
+def validate_kv(toks: Array, kv: Array, scores: Array | None, model: ModelSpec) -> tuple[Array, Array | None]:
+    """Check KV and scores against the tokens and the model; InvalidInputError names the field."""
+    kv = np.asarray(kv)
+    if kv.shape != model.kv_shape(len(toks)):
+        raise InvalidInputError(
+            f"kv must have shape (layers, 2, kv_heads, tokens, head_dim) = "
+            f"{model.kv_shape(len(toks))} for {len(toks)} tokens of {model.name}, got {kv.shape}"
+        )
+    if kv.dtype != model.np_dtype:
+        raise InvalidInputError(f"kv dtype must be {model.dtype} for {model.name}, got {kv.dtype}")
+    if scores is not None:
+        scores = np.asarray(scores, dtype=np.float32)
+        if scores.shape != (len(toks),) or not np.all(np.isfinite(scores)):
+            raise InvalidInputError(f"scores must be {len(toks)} finite floats, got shape {scores.shape}")
+    return kv, scores
+
+
+def check_layer(layer: object, num_layers: int) -> int:
+    """`layer` as an int, or InvalidInputError naming it unless an integer in [0, num_layers)."""
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 0 <= layer < num_layers:
+        raise InvalidInputError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+    return int(layer)

@@ -21,7 +21,7 @@ from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
-from kvstore.budget import Budget, budget_to_fields, resolve_budget
+from kvstore.budget import Budget, resolve_budget
 from kvstore.client_arenas import ArenaPool, ClientArena
 from kvstore.client_layers import EmptyLayeredLoad, RemoteLayeredLoad
 from kvstore.client_stream import RemoteLoadStream, domain_error
@@ -31,7 +31,7 @@ from kvstore.model import ModelSpec
 from kvstore.stats import StoreStats
 from kvstore.transport import channel_options, is_loopback
 from kvstore.values import DEFAULT_NAMESPACE, LookupResult, StoreResult, validate_kv
-from kvstore.wire import ctx_to_pb, kv_bytes, stats_from_pb
+from kvstore.wire import budget_to_fields, ctx_to_pb, kv_bytes, stats_from_pb
 
 Array = np.ndarray[Any, Any]
 # Below this, a Store's KV goes as slices: CreateArena and the pool cost more than the copies.

@@ -1,10 +1,10 @@
-"""StoreIndex: what the store holds, apart from the bytes (see kvstore/mover.py for those).
+"""StoreIndex: what the store holds, apart from the bytes (the reader and writer move those).
 
 The radix tree lists every block whose data is durable in the slowest local tier
 (or, in a memory-only store, held whole in memory), so a lookup never promises
-what a load cannot deliver. Beside it: the leases that pin blocks, the choice of
-chunks a budgeted load reads (a typed `LoadPlan`), and eviction of every local
-tier, which has this one owner:
+what a load cannot deliver. Beside it: the leases that pin blocks and eviction
+of every local tier, which has this one owner (which chunks a load reads is planned
+apart, from the matched blocks' metadata: kvstore/load_plan.py):
 
 - disk pressure evicts least recently used unpinned blocks through the tree, from
   every local tier at once (never from the shared remote tier: other sidecars use it);
@@ -21,13 +21,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import numpy as np
 
-from importance.layout import BlockSelection, budget_to_tokens, rank_chunks, select_by_coverage, select_chunks
 from kvstore.api import Lease
-from kvstore.budget import AutoBudget
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError, TierFullError
 from kvstore.eviction import create_policy
@@ -39,24 +36,8 @@ from kvstore.tiers.memory import MemoryTier
 from radix import MatchResult, Node, RadixTree, RootId
 
 
-class LoadPlan(NamedTuple):
-    """What a load reads: the matched blocks and, for each, the chunk indices the budget selects.
-
-    `selected_tokens` counts the tokens of the selected chunks; `prefix_bytes` the
-    encoded bytes of all matched blocks; `estimated_coverage` the share of the
-    estimated attention mass (normalised slot scores) the selected chunks hold.
-    """
-
-    matched_tokens: int
-    selected_tokens: int
-    blocks: list[BlockMeta]
-    chunks: list[list[int]]
-    prefix_bytes: int = 0
-    estimated_coverage: float = 1.0
-
-
 class StoreIndex:
-    """Radix tree, leases, chunk selection and eviction of the local tiers; see module docstring.
+    """Radix tree, leases and eviction of the local tiers; see module docstring.
 
     Args:
         config: the store's configuration (block and chunk size, memory policy).
@@ -142,31 +123,6 @@ class StoreIndex:
     def lease_keys(self, lease_id: str) -> tuple[bytes, ...]:
         """The block keys a live lease pins (empty if unknown)."""
         return self.leases.keys_of(lease_id)
-
-    # -- selection ----------------------------------------------------------------
-
-    def plan_load(self, match: MatchResult, budget: float | int | AutoBudget) -> LoadPlan:
-        """Chunks to read for a load of `match` at a budget from `kvstore.budget.resolve_budget`.
-
-        A fraction or a token count (an int) reads whole chunks, best mean score first,
-        until they hold the budget's tokens; an `AutoBudget` reads the fewest chunks
-        whose estimated attention mass reaches its coverage, within its bounds.
-        """
-        metas: list[BlockMeta] = [n.payload for n in match.nodes]
-        slot_scores = [_slot_scores(m) for m in metas]
-        chunk = [m.chunk_tokens for m in metas]  # a layered block selects its smaller chunks
-        n = match.num_tokens
-        if isinstance(budget, AutoBudget):
-            low, high = (budget_to_tokens(f, n) for f in (budget.min_fraction, budget.max_fraction))
-            chosen = select_by_coverage(slot_scores, chunk, budget.coverage, low, high)
-            selection, coverage = chosen.blocks, chosen.mass
-        else:
-            wanted = budget if isinstance(budget, int) else budget_to_tokens(budget, n)
-            selection = select_chunks(slot_scores, wanted, chunk)
-            coverage = _mass_share(slot_scores, selection, chunk)
-        selected = sum(s.selected_tokens for s in selection)
-        prefix_bytes = sum(m.nbytes for m in metas)
-        return LoadPlan(n, selected, metas, [s.chunks for s in selection], prefix_bytes, coverage)
 
     # -- eviction -----------------------------------------------------------------
 
@@ -258,21 +214,3 @@ class StoreIndex:
         for index in range(meta.num_chunks):
             self._policy.remove((meta.key, index))
         self._memory.delete_block(meta.key)
-
-
-def _mass_share(
-    slot_scores: Sequence[np.ndarray], selection: Sequence[BlockSelection], chunk: Sequence[int]
-) -> float:
-    """Share of the estimated attention mass (see importance.layout.rank_chunks) selected."""
-    if not slot_scores:
-        return 1.0
-    ranking = rank_chunks(slot_scores, chunk, normalise=True)
-    wanted = {(b, c) for b, s in enumerate(selection) for c in s.chunks}
-    held = [(int(b), int(c)) in wanted for b, c in zip(ranking.blocks, ranking.chunks, strict=True)]
-    return float(ranking.values[np.asarray(held, dtype=bool)].sum())
-
-
-def _slot_scores(meta: BlockMeta) -> np.ndarray:
-    if meta.scores is None:
-        return np.zeros(meta.num_tokens, dtype=np.float32)
-    return meta.scores[meta.permutation]

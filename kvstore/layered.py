@@ -31,7 +31,7 @@ from radix import MatchResult
 
 if TYPE_CHECKING:
     from kvstore.index import StoreIndex
-    from kvstore.mover import BlockMover
+    from kvstore.layered_fetch import RecordFetcher
 
 
 def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
@@ -49,8 +49,8 @@ def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
 
 
 def open_layered(
-    mover: BlockMover, index: StoreIndex, match: MatchResult, model: ModelSpec, default_chunk_tokens: int,
-    counters: Counters,
+    fetcher: RecordFetcher, index: StoreIndex, match: MatchResult, model: ModelSpec,
+    default_chunk_tokens: int, counters: Counters,
 ) -> LocalLayeredLoad:  # fmt: skip
     """A `LocalLayeredLoad` over the layered run of `match`, its blocks pinned (see module docstring)."""
     metas = layered_run(match, model)
@@ -60,7 +60,7 @@ def open_layered(
     except KeyError:  # a block was evicted between the match and the pin: nothing to read this way
         metas, keys = [], []
     counters.add("layered_loads")
-    return LocalLayeredLoad(mover, index, metas, model, default_chunk_tokens, counters)
+    return LocalLayeredLoad(fetcher, index, metas, model, default_chunk_tokens, counters)
 
 
 class LocalLayeredLoad:
@@ -71,10 +71,10 @@ class LocalLayeredLoad:
     """
 
     def __init__(
-        self, mover: BlockMover, index: StoreIndex, metas: list[BlockMeta], model: ModelSpec,
+        self, fetcher: RecordFetcher, index: StoreIndex, metas: list[BlockMeta], model: ModelSpec,
         default_chunk_tokens: int, counters: Counters,
     ) -> None:  # fmt: skip
-        self._mover, self._index, self._metas, self._model = mover, index, metas, model
+        self._fetcher, self._index, self._metas, self._model = fetcher, index, metas, model
         self._counters = counters
         self.chunk_tokens = metas[0].chunk_tokens if metas else default_chunk_tokens
         self.matched_tokens = sum(m.num_tokens for m in metas)
@@ -183,7 +183,7 @@ class LocalLayeredLoad:
         return chunks.transpose(1, 2, 0, 3, 4).reshape(2, heads, n * c, dim)
 
     def _layer_chunks(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array | None:
-        index, fetcher = meta.record_index(layer, 0), self._mover.layer_records
+        index, fetcher = meta.record_index(layer, 0), self._fetcher
         if reads_whole(len(mine), meta.chunks_per_layer):
             found = fetcher.whole_records(meta, [index])
             if found is None:
@@ -212,7 +212,7 @@ class LocalLayeredLoad:
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
         """One summary record, fastest tier first, verified; promoted to memory from a slower tier."""
         index = meta.record_index(layer)
-        for tier in [self._mover.memory, *self._mover.durable]:
+        for tier in self._fetcher.tiers.all:
             data = None
             with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
                 data = tier.get_chunks(meta, [index])[0]
@@ -225,7 +225,7 @@ class LocalLayeredLoad:
                 raise ChecksumError(f"block {meta.key.hex()}, summary of layer {layer}: {exc}") from exc
             self.bytes_read += len(data)
             self._counters.add_many({f"summary_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
-            if tier is not self._mover.memory:
+            if tier is not self._fetcher.tiers.memory:
                 self._index.promote(meta, index, bytes(data))
             return summary
         self._lose(meta, "chunk_misses")

@@ -1,14 +1,8 @@
-"""Blocks in the layered layout: their records, how they are encoded and how a load joins them.
+"""Reading blocks of the layered layout: how a load joins their layer records into chunks.
 
-A layered block (docs/importance.md, "Layered layout") stores, by record index:
-
-- 0 .. layers-1: the 2-bit key summary of layer L (kvstore/summary.py);
-- layers + L: the layer record of layer L (kvstore/layer_record.py): all its chunks of
-  `chunk_tokens` positions, in prompt order, each one addressable by byte range.
-
-The tiers store records by (block key, layout version, index) and need not know which
-kind a record is. A normal `load` selects units: chunk c of every layer, joined into
-one all-layer chunk (`load_units`).
+The records and their encoding are kvstore/layered_format.py. A normal `load` selects
+units: chunk c of every layer, joined into one all-layer chunk (`load_units`); a
+partial load reads a layer record's header and its chosen chunks' byte ranges.
 """
 
 from __future__ import annotations
@@ -18,20 +12,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvstore.codec import reencode_raw
 from kvstore.layer_record import (
     LayerHeader,
     decode_layer_record,
     decode_run,
-    encode_layer_record,
     header_bytes,
-    is_layer_record,
     parse_header,
-    raw_layer_record,
 )
 from kvstore.layered_fetch import Fetched, RecordFetcher
 from kvstore.meta import BlockMeta
-from kvstore.summary import encode_summary, is_summary
 from kvstore.values import Array, LoadedChunk
 
 if TYPE_CHECKING:
@@ -47,36 +36,6 @@ def reads_whole(needed: int, chunks_per_layer: int) -> bool:
     headers. Reading whole past half the chunks read 0.69 of the bytes for a 0.5 budget.
     """
     return needed >= chunks_per_layer
-
-
-def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
-    """Every record of a layered block, in record-index order.
-
-    Args:
-        meta: the block's metadata (layered; its `nbytes` is not read).
-        kv: the block's KV in prompt order, (layers, 2, kv_heads, block_tokens, head_dim).
-        dtype: the model's dtype name; codec and zstd_level: as kvstore.codec.encode_chunk.
-    """
-    records = [encode_summary(meta.chunk_id(layer), kv[layer, 0]) for layer in range(meta.num_layers)]
-    for layer in range(meta.num_layers):
-        cid = meta.chunk_id(meta.record_index(layer, 0))
-        records.append(encode_layer_record(cid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level))
-    return records
-
-
-def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
-    """Record indices a load of `units` reads: the units themselves, or for a layered block
-    every layer record (a unit is one chunk of every layer)."""
-    if not meta.is_layered:
-        return list(units)
-    return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
-
-
-def memory_record(data: bytes, dtype: str) -> bytes:
-    """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as is."""
-    if is_summary(data):
-        return data
-    return raw_layer_record(data) if is_layer_record(data) else reencode_raw(data, dtype)
 
 
 def load_units(

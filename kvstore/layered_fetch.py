@@ -50,7 +50,7 @@ class RecordFetcher:
     """Whole-record and ranged reads of layer records from one store's tiers; see module docstring."""
 
     def __init__(self, tiers: TierStack, index: StoreIndex, counters: Counters) -> None:
-        self._tiers, self._index, self._counters = tiers, index, counters
+        self.tiers, self._index, self._counters = tiers, index, counters
         # Headers of records memory holds, parsed once: memory holds the raw encoding of a record,
         # the same bytes whenever it is promoted again, under a key that names block, layout, index.
         self._headers: dict[tuple[bytes, int, int], LayerHeader] = {}
@@ -69,17 +69,17 @@ class RecordFetcher:
 
     def all_in_memory(self, meta: BlockMeta, indices: Sequence[int]) -> bool:
         """Whether memory holds every record `indices` (then reading them whole copies nothing)."""
-        return all(self._tiers.memory.has_chunk(meta.key, i) for i in indices)
+        return all(self.tiers.memory.has_chunk(meta.key, i) for i in indices)
 
     def whole_records(self, meta: BlockMeta, indices: Sequence[int]) -> list[Fetched] | None:
         """Records `indices` of a block, fastest tier first; None if one is in no tier."""
-        memory = self._tiers.memory
+        memory = self.tiers.memory
         found: dict[int, Fetched] = {}
         for index, data in zip(indices, memory.get_chunks(meta, indices), strict=True):
             if data is not None:
                 found[index] = Fetched(data, memory.name, True)
         self._index.touch_memory(meta, found)
-        for tier in self._tiers.durable:
+        for tier in self.tiers.durable:
             missing = [i for i in indices if i not in found]
             if not missing:
                 break
@@ -102,7 +102,7 @@ class RecordFetcher:
         self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]], only: Tier | None = None
     ) -> FetchedRanges | None:
         """Byte ranges of record `index` from the fastest tier holding it (or from `only`)."""
-        for tier in self._tiers.all if only is None else (only,):
+        for tier in self.tiers.all if only is None else (only,):
             data = None
             with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
                 data = tier.get_ranges(meta, index, ranges)
@@ -111,7 +111,7 @@ class RecordFetcher:
             if only is None:
                 self._counters.add(f"chunk_hits.{tier.name}")
             self._counters.add(f"bytes_read.{tier.name}", sum(len(d) for d in data))
-            return FetchedRanges(data, tier, tier is self._tiers.memory)
+            return FetchedRanges(data, tier, tier is self.tiers.memory)
         return None
 
     def promote(
@@ -124,7 +124,7 @@ class RecordFetcher:
         self._index.promote(meta, index, raw)
 
     def _get(self, tier: Tier, meta: BlockMeta, indices: list[int]) -> list[memoryview | None]:
-        if self._tiers.is_remote(tier):
+        if self.tiers.is_remote(tier):
             with contextlib.suppress(KVSieveError):
                 return tier.get_chunks(meta, indices)
             return [None] * len(indices)
@@ -133,7 +133,7 @@ class RecordFetcher:
     def _remote_ok(self, tier: Tier, meta: BlockMeta, index: int, data: memoryview) -> bool:
         """Local records are verified by the caller (a failure raises); a remote one that is not a
         layer record of this identity is a miss here, counted and deleted."""
-        remote = self._tiers.remote
+        remote = self.tiers.remote
         if remote is None or tier is not remote.tier:
             return True
         try:

@@ -34,7 +34,7 @@ from kvstore.codec import decode_chunk, encode_chunk
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
 from kvstore.keys import parse_chunk_key
-from kvstore.layered_blocks import encode_layered
+from kvstore.layered_format import encode_layered
 from kvstore.lock import DataDirLock
 from kvstore.meta import LAYERED, BlockMeta
 from kvstore.progress import progress_bar

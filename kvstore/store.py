@@ -1,9 +1,10 @@
 """TieredStore: the embedded `PrefixStore` over memory, disk and remote tiers.
 
 A thin composition: `StoreIndex` (kvstore/index.py) keeps the bookkeeping (radix
-tree, leases, chunk selection, eviction of every local tier) and `BlockMover`
-(kvstore/mover.py) moves the bytes (encode, tier reads and writes, promotion,
-learning from the remote tier). The index lists a block only after its data is
+tree, leases, eviction of every local tier), `plan_load` (kvstore/load_plan.py)
+chooses the chunks a budget reads, `BlockWriter` (kvstore/block_writer.py) encodes
+and writes new blocks and `BlockReader` (kvstore/block_reader.py) reads, verifies
+and promotes them. The index lists a block only after its data is
 durable in the slowest local tier, so a lookup never promises data that a crash
 could lose; the new blocks of one `store` call go to disk in one transaction.
 """
@@ -23,6 +24,8 @@ from importance.history import accumulate, decay_factor
 from importance.layout import DEFAULT_MIN_CHANGE, layout_change
 from kvstore.alloc import keep_large_buffers
 from kvstore.api import Lease, StoreInfo, Tokens
+from kvstore.block_reader import BlockReader
+from kvstore.block_writer import BlockWriter
 from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
@@ -30,15 +33,16 @@ from kvstore.index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.layered import LocalLayeredLoad, open_layered
 from kvstore.leases import LeaseTable
+from kvstore.load_plan import plan_load
 from kvstore.lock import DataDirLock
 from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
-from kvstore.mover import BlockMover
 from kvstore.results import LocalLoadStream
 from kvstore.stats import Counters, StoreStats
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.stack import TierStack
 from kvstore.values import DEFAULT_NAMESPACE, Array, LookupResult, StoreResult, validate_kv
 from radix import MatchResult, RadixTree
 
@@ -81,17 +85,19 @@ class TieredStore:
             # Only a cache of a durable tier may give up chunks the index still lists.
             memory_is_cache=bool(local) or self.config.has_remote,
         )  # fmt: skip
-        self.mover = BlockMover(self.config, self.index, memory, local, self.remote_link, self.counters)
+        self.tiers = TierStack(memory, tuple(local), self.remote_link)
+        self.reader = BlockReader(self.config, self.index, self.tiers, self.counters)
+        self.writer = BlockWriter(self.config, self.index, self.tiers, self.counters)
         # The parts, for the sidecar, tools and tests (read-only use).
         self.tree: RadixTree = self.index.tree
         self.leases: LeaseTable = self.index.leases
         self.memory: MemoryTier = memory
-        self.durable: list[Tier] = self.mover.durable
+        self.durable: list[Tier] = list(self.tiers.durable)
         self.local_only = self.remote_link is None  # lookups never leave the process
         self._write_lock = threading.Lock()
         self._closed = False
         # A restarted store is warm: list every block of the local disk tier.
-        self.orphans = self.index.rebuild(self.mover.local_metas())
+        self.orphans = self.index.rebuild(self.writer.local_metas())
 
     # -- PrefixStore ----------------------------------------------------------------
 
@@ -131,10 +137,10 @@ class TieredStore:
             if len(match.nodes) < kv_start // b:  # a block before the KV we have is gone
                 return StoreResult(match.num_tokens, 0, 0)
             with self.index.held(match.nodes):  # the parent chain must survive eviction
-                blocks = self.mover.encode_blocks(
+                blocks = self.writer.encode_blocks(
                     toks, kv, scores, kv_start, len(match.nodes), model, root, namespace
                 )
-                written = self.mover.write_blocks(blocks, model, root)
+                written = self.writer.write_blocks(blocks, model, root)
         new_blocks = num_blocks - len(match.nodes)
         self.counters.add("stores")
         self.counters.add("blocks_written", new_blocks)
@@ -152,10 +158,10 @@ class TieredStore:
     ) -> LocalLoadStream:
         toks = as_token_array(tokens)
         resolved = resolve_budget(budget, budget_tokens, coverage)
-        plan = self.index.plan_load(self._match(self._root(model, namespace), toks), resolved)
+        plan = plan_load(self._match(self._root(model, namespace), toks), resolved)
         stream = LocalLoadStream(
             plan.matched_tokens, plan.selected_tokens, model.token_bytes, self.config.block_tokens,
-            self.mover.read_blocks(plan), functools.partial(self._load_finished, model.token_bytes),
+            self.reader.read_blocks(plan), functools.partial(self._load_finished, model.token_bytes),
             plan.prefix_bytes, plan.estimated_coverage,
         )  # fmt: skip
         self.counters.add("loads")
@@ -166,7 +172,7 @@ class TieredStore:
     ) -> LocalLayeredLoad:
         match = self._match(self._root(model, namespace), as_token_array(tokens))
         return open_layered(
-            self.mover, self.index, match, model, self.config.layer_chunk_tokens, self.counters
+            self.reader.layer_records, self.index, match, model, self.config.layer_chunk_tokens, self.counters
         )
 
     def load_arrays(self, tokens: Tokens, **kwargs: Any) -> tuple[int, Array, Array]:
@@ -198,7 +204,7 @@ class TieredStore:
         for i, node in enumerate(match.nodes):
             meta: BlockMeta = node.payload
             updated = replace(meta, scores=accumulate(meta.scores, values[i * b : (i + 1) * b], decay))
-            self.mover.put_meta(updated)
+            self.writer.put_meta(updated)
             self.index.update(node, updated)
             drifted += _newly_drifted(meta, updated)
         self.counters.add_many({"score_reports": 1, "layout_drifted_blocks": drifted})
@@ -235,7 +241,7 @@ class TieredStore:
     def _match(self, root: Root, toks: Array) -> MatchResult:
         """Match locally; where the local tree ends, learn blocks other sidecars put remotely."""
         match = self.index.match(root, toks)
-        if self.mover.learn_remote(root, toks, match):
+        if self.writer.learn_remote(root, toks, match):
             return self.index.match(root, toks)
         return match
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
+from kvstore.budget import AUTO, AutoBudget, Budget
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 from kvstore.stats import StoreStats
@@ -99,3 +100,43 @@ def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
     return StoreStats(
         dict(msg.counters), tiers, msg.num_blocks, msg.active_leases, list(msg.read_amplification)
     )
+
+
+# -- load budgets ------------------------------------------------------------------
+
+
+def budget_to_fields(budget: float | int | AutoBudget) -> dict[str, Any]:
+    """A resolved budget as LoadRequest fields (the client's side of the Load RPC)."""
+    if isinstance(budget, AutoBudget):
+        return {
+            "budget_mode": AUTO,
+            "coverage": budget.coverage,
+            "min_fraction": budget.min_fraction,
+            "max_fraction": budget.max_fraction,
+        }
+    if isinstance(budget, int):
+        return {"budget_tokens": budget}
+    return {"budget": budget}
+
+
+def budget_from_fields(request: Any) -> Budget:
+    """The budget a LoadRequest names (0 = default), for `resolve_budget` to check.
+
+    The wire carries float32: each value is read back as its shortest decimal form,
+    so 0.1 on the wire is 0.1 here and selects exactly what the embedded store would.
+    """
+    mode = request.budget_mode
+    if not mode:
+        return _from_f32(request.budget) or 1.0
+    if mode != AUTO:
+        raise InvalidInputError(f"budget_mode must be '' or 'auto', got unknown word {mode!r}")
+    default = AutoBudget()
+    return AutoBudget(
+        _from_f32(request.coverage) or default.coverage,
+        _from_f32(request.min_fraction) or default.min_fraction,
+        _from_f32(request.max_fraction) or default.max_fraction,
+    )
+
+
+def _from_f32(value: float) -> float:
+    return float(str(np.float32(value)))

@@ -87,7 +87,7 @@ def test_partial_loads_deliver_their_budget_at_true_positions(
         assert len(set(positions.tolist())) == len(positions) and positions.max() < n
         assert loaded.tobytes() == kv[:, :, :, positions].tobytes()  # each token's KV at its position
         assert stream.delivered_fraction == stream.delivered_tokens / n
-        prefix_bytes = sum(m.nbytes for m in store.mover.local_metas())
+        prefix_bytes = sum(m.nbytes for m in store.writer.local_metas())
         assert stream.read_fraction == stream.bytes_read / prefix_bytes
         assert 0.0 < stream.estimated_coverage < 1.0
 

@@ -13,6 +13,7 @@ from test_tiers_contract import FP, NS, make_block
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError
 from kvstore.index import StoreIndex
+from kvstore.load_plan import plan_load
 from kvstore.meta import BlockMeta
 from kvstore.stats import Counters
 from kvstore.tiers import create_tier
@@ -144,6 +145,6 @@ def test_load_plan_selects_the_chunk_holding_the_top_scored_tokens() -> None:
     a, _ = make_block(21)  # stored in prompt order: slots 6 and 7 (chunk 3) score highest
     index = index_over(MemoryTier(1 << 20))
     index.insert(ROOT, replace(a, scores=np.arange(8, dtype=np.float32)))
-    plan = index.plan_load(index.match(ROOT, a.tokens), 0.25)
+    plan = plan_load(index.match(ROOT, a.tokens), 0.25)
     assert (plan.matched_tokens, plan.selected_tokens, plan.chunks) == (8, 2, [[3]])
     assert [m.key for m in plan.blocks] == [a.key]

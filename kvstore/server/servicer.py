@@ -20,7 +20,6 @@ from typing_extensions import override
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, LoadStream
-from kvstore.budget import budget_from_fields
 from kvstore.errors import ArenaLimitError, InvalidInputError, LimitExceededError, NotFoundError
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
@@ -43,7 +42,7 @@ from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
 from kvstore.shm import ServerArena
 from kvstore.store import TieredStore
 from kvstore.values import LookupResult
-from kvstore.wire import ctx_from_pb, stats_to_pb
+from kvstore.wire import budget_from_fields, ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
 _CHUNKS_PER_MESSAGE = 16

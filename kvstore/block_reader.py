@@ -1,0 +1,161 @@
+"""BlockReader: a load's bytes, from the tiers to the caller.
+
+It reads each planned block's chunks fastest tier first, verifies them (a block is
+read whole before any of its chunks is yielded), promotes what it read from a slower
+tier to memory, and starts the disk's readahead at the first chunk memory lacks. Which
+chunks to read is planned apart (kvstore/load_plan.py); what to keep in memory the
+index decides (kvstore/index.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.codec import decode_chunk, encode_chunk
+from kvstore.config import StoreConfig
+from kvstore.errors import ChecksumError, KVSieveError
+from kvstore.index import StoreIndex
+from kvstore.layered_blocks import load_units
+from kvstore.layered_fetch import RecordFetcher
+from kvstore.layered_format import stored_records
+from kvstore.load_plan import LoadPlan
+from kvstore.meta import BlockMeta
+from kvstore.stats import Counters
+from kvstore.tiers.base import Tier
+from kvstore.tiers.stack import TierStack
+from kvstore.values import LoadedChunk
+
+if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote tier loads it
+    pass
+
+
+class BlockReader:
+    """Verified chunk reads fastest tier first, with promotion; see module docstring. Thread-safe.
+
+    Args:
+        config: the store's configuration (its codec: memory holds raw chunks).
+        index: told what was read (recency), what to promote, and what was lost.
+        tiers: the store's tiers.
+        counters: the store's counters.
+    """
+
+    def __init__(self, config: StoreConfig, index: StoreIndex, tiers: TierStack, counters: Counters) -> None:
+        self._config = config
+        self._index = index
+        self.tiers = tiers
+        self._counters = counters
+        self.layer_records = RecordFetcher(tiers, index, counters)  # the layered layout's reads
+
+    def read_blocks(self, plan: LoadPlan) -> Iterator[list[LoadedChunk] | None]:
+        """Each planned block's chunks, verified whole before it is yielded. A block lost from
+        every tier or corrupt yields None, is forgotten by the index, and ends the iteration."""
+        prefetch = _Prefetch(self.tiers.local_durable, plan)
+        for block_index, (meta, indices) in enumerate(zip(plan.blocks, plan.chunks, strict=True)):
+            try:
+                chunks = self._read_block(meta, block_index, indices, prefetch)
+                failure = "chunk_misses" if chunks is None else ""
+            except ChecksumError:
+                chunks, failure = None, "checksum_failures"
+            if chunks is None:  # this block and all after it become a miss
+                self._counters.add(failure)
+                self._index.forget(meta.key)
+                yield None
+                return
+            yield chunks
+
+    def _read_block(
+        self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch
+    ) -> list[LoadedChunk] | None:
+        """The planned units of a block: its chunks, or a layered block's chunks of every layer."""
+        if not meta.is_layered:
+            return self.read_records(meta, block_index, units, prefetch)
+        if not all(self.tiers.memory.has_chunk(meta.key, i) for i in stored_records(meta, units)):
+            prefetch.start(block_index)
+        return load_units(self.layer_records, meta, block_index, units)
+
+    def read_records(
+        self, meta: BlockMeta, block_index: int, indices: list[int], prefetch: _Prefetch | None = None
+    ) -> list[LoadedChunk] | None:
+        """Chunk records `indices` of a block, fastest tier first, verified and promoted to memory.
+
+        Returns None if one is in no tier. Raises ChecksumError if a local one is corrupt.
+        """
+        found: dict[int, LoadedChunk] = {}
+        tally: Counter[str] = Counter()
+        for index, data in zip(indices, self.tiers.memory.get_chunks(meta, indices), strict=True):
+            if data is not None:
+                found[index] = self._decode(meta, block_index, index, data, self.tiers.memory.name, tally)
+        self._index.touch_memory(meta, found)
+        if len(found) < len(indices) and prefetch is not None:
+            prefetch.start(block_index)
+        for tier in self.tiers.durable:
+            missing = [i for i in indices if i not in found]
+            if not missing:
+                break
+            for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
+                if data is None:
+                    continue
+                chunk = self._decode_durable(meta, block_index, index, data, tier, tally)
+                if chunk is not None:
+                    found[index] = chunk
+                    self._promote(meta, index, chunk, data)
+        self._counters.add_many(tally)
+        if len(found) < len(indices):
+            return None
+        return [found[i] for i in indices]
+
+    def _decode(
+        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: str, tally: Counter[str]
+    ) -> LoadedChunk:
+        # Memory holds chunks this process encoded in immutable buffers: skip the checksum.
+        decoded = decode_chunk(data, meta.chunk_id(index), trusted=tier == self.tiers.memory.name)
+        tally[f"chunk_hits.{tier}"] += 1
+        tally[f"bytes_read.{tier}"] += len(data)
+        return LoadedChunk(block_index, index, decoded.positions, decoded.kv, tier, len(data))
+
+    def _decode_durable(
+        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: Tier, tally: Counter[str]
+    ) -> LoadedChunk | None:
+        """Decode a chunk read from disk or the remote tier. A remote chunk that fails its
+        checksum or identity is a miss, counted, and deleted remotely (its key is a content
+        hash: the value is wrong for every reader). A local one raises ChecksumError."""
+        remote = self.tiers.remote
+        if remote is None or tier is not remote.tier:
+            return self._decode(meta, block_index, index, data, tier.name, tally)
+        try:
+            return self._decode(meta, block_index, index, data, tier.name, tally)
+        except ChecksumError:
+            remote.tier.count_corrupt()
+            with contextlib.suppress(KVSieveError):  # counted by the tier; a later reader retries
+                remote.tier.delete_block(meta.key)
+            return None
+
+    def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
+        if self._config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
+            raw = encode_chunk(meta.chunk_id(index), chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw")
+            data = memoryview(raw)
+        self._index.promote(meta, index, data)
+
+
+class _Prefetch:
+    """Readahead for one load: at its first chunk that memory lacks, ask the disk tiers to
+    read every remaining planned block in the background (see LmdbTier.prefetch)."""
+
+    def __init__(self, tiers: Sequence[Tier], plan: LoadPlan) -> None:
+        self._tiers = [t for t in tiers if hasattr(t, "prefetch")]
+        self._plan: LoadPlan | None = plan
+
+    def start(self, block_index: int) -> None:
+        """Hint once, from `block_index` on; later calls do nothing."""
+        plan, self._plan = self._plan, None
+        if plan is None or len(plan.blocks) - block_index < 2:  # one block: nothing to overlap
+            return
+        rest = [
+            (meta, stored_records(meta, units))
+            for meta, units in zip(plan.blocks[block_index:], plan.chunks[block_index:], strict=True)
+        ]
+        for tier in self._tiers:
+            tier.prefetch(rest)

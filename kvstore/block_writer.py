@@ -1,0 +1,193 @@
+"""BlockWriter: a store's bytes, from the caller to the tiers.
+
+It encodes new blocks (each in importance order, or in the layered layout) and writes
+them: local durable tiers first, in one transaction, then memory, then the index, then
+the shared remote tier's queue. It also tells the index what the tiers already hold: the
+local disk's blocks at start-up, and blocks other sidecars put in the remote tier. What
+to evict to make room it asks the index; it never decides.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+from importance.layout import importance_order
+from kvstore.codec import ChunkId, encode_chunk
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
+from kvstore.index import StoreIndex
+from kvstore.keys import ROOT_KEY, Root, block_keys
+from kvstore.layered_format import encode_layered, memory_record
+from kvstore.meta import LAYERED, BlockMeta
+from kvstore.model import ModelSpec
+from kvstore.stats import Counters
+from kvstore.tiers.base import Tier
+from kvstore.tiers.stack import TierStack
+from kvstore.values import Array
+from radix import MatchResult
+
+if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote tier loads it
+    from kvstore.tiers.lmdb import LmdbTier
+
+
+NewBlock = tuple[BlockMeta, list[bytes]]
+MAX_RECORDS = 65535  # records per block: chunk indices are u16 in chunk keys (docs/keys.md)
+
+
+class BlockWriter:
+    """Encode and write new blocks; list what the tiers hold; see module docstring. Thread-safe.
+
+    Args:
+        config: the store's configuration (block and chunk size, codec, layout).
+        index: decides eviction and lists what is held.
+        tiers: the store's tiers.
+        counters: the store's counters.
+    """
+
+    def __init__(self, config: StoreConfig, index: StoreIndex, tiers: TierStack, counters: Counters) -> None:
+        self._config = config
+        self._index = index
+        self.tiers = tiers
+        self._counters = counters
+
+    def encode_blocks(
+        self, toks: Array, kv: Array, scores: Array | None, kv_start: int, first: int,
+        model: ModelSpec, root: Root, namespace: str,
+    ) -> list[NewBlock]:  # fmt: skip
+        """Encode blocks `first`.. of `toks` (KV from token `kv_start`), each in importance order."""
+        keys = block_keys(toks, self._config.block_tokens, model.fingerprint, root[0])
+        return [
+            self._encode_block(toks, kv, scores, kv_start, keys, index, model, root, namespace)
+            for index in range(first, len(keys))
+        ]
+
+    def write_blocks(self, blocks: list[NewBlock], model: ModelSpec, root: Root) -> int:
+        """Local durable tiers first (all blocks in one transaction), then memory, then the
+        index, then the shared tier's queue. Returns the bytes written to the durable tiers."""
+        if not blocks:
+            return 0
+        needed = sum(meta.nbytes for meta, _ in blocks)
+        for tier in self.tiers.local_durable:
+            self._put_durable(tier, blocks, needed)
+            self._counters.add(f"bytes_written.{tier.name}", needed)
+        raw = self._config.codec == "raw"  # memory holds raw chunks: no zstd on the hot path
+        in_memory = [(m, c if raw else [memory_record(x, model.dtype) for x in c]) for m, c in blocks]
+        if not self.tiers.local_durable:  # memory is the only local copy: make room for all, or fail now
+            self._index.reserve_memory(sum(len(x) for _, c in in_memory for x in c))
+        for meta, chunks in in_memory:
+            if self._index.put_in_memory(meta, chunks):
+                self._counters.add("bytes_written.memory", sum(len(x) for x in chunks))
+            elif not self.tiers.local_durable:  # cannot happen after reserve_memory: never list
+                # what is not held
+                raise StoreFullError("memory tier is full and there is no disk tier")
+            self._index.insert(root, meta)
+        if self.tiers.remote is not None:  # after the local commit; queued, never blocks
+            for meta, chunks in blocks:
+                self.tiers.remote.write(meta, chunks)
+        return needed
+
+    def put_meta(self, meta: BlockMeta) -> None:
+        """Replace a block's metadata in every tier that holds it (new scores)."""
+        for tier in [self.tiers.memory, *self.tiers.durable]:
+            tier.put_meta(meta)
+
+    def local_metas(self) -> list[BlockMeta]:
+        """Every block record of the local disk tier, for the start-up rebuild. Records that
+        fail their checksum or identity check are skipped and counted (`metadata_failures`)."""
+        if not self.tiers.local_durable:
+            return []
+        records = [m for _, m in cast("LmdbTier", self.tiers.local_durable[0]).iter_meta_raw()]
+        self._counters.add("metadata_failures", sum(not isinstance(m, BlockMeta) for m in records))
+        return [m for m in records if isinstance(m, BlockMeta)]
+
+    def learn_remote(self, root: Root, toks: Array, match: MatchResult) -> int:
+        """List the blocks after `match` that other sidecars put in the remote tier. Returns
+        how many were learned (0 without a remote tier, or when `toks` has no further block)."""
+        b = self._config.block_tokens
+        if self.tiers.remote is None or len(toks) < match.num_tokens + b:
+            return 0
+        wanted = block_keys(toks, b, root[1], root[0])[len(match.nodes) :]
+        learned = 0
+        for key, meta in zip(wanted, self.tiers.remote.tier.get_metas(wanted), strict=True):
+            if meta is None or meta.key != key or meta.num_tokens != b:
+                break
+            self._index.insert(root, meta)
+            learned += 1
+        if learned:
+            self._counters.add("blocks_learned.redis", learned)
+        return learned
+
+    def _encode_block(
+        self, toks: Array, kv: Array, scores: Array | None, kv_start: int, keys: list[bytes],
+        index: int, model: ModelSpec, root: Root, namespace: str,
+    ) -> NewBlock:  # fmt: skip
+        b, c = self._config.block_tokens, self._config.chunk_tokens
+        start = index * b
+        local = start - kv_start  # where the block starts in `kv` and `scores`
+        block_scores = None if scores is None else scores[local : local + b]
+        if self._config.layout == LAYERED:
+            return self._encode_layered(
+                toks, kv[:, :, :, local : local + b], block_scores, keys, index, model, root, namespace
+            )
+        perm = importance_order(block_scores, b)
+        ns = root[0]  # the namespace digest
+        chunks = []
+        for chunk_index in range(b // c):
+            offsets = perm[chunk_index * c : (chunk_index + 1) * c]
+            cid = ChunkId(model.fingerprint, ns, keys[index], 0, chunk_index)
+            data = kv[:, :, :, local + offsets, :]
+            chunks.append(
+                encode_chunk(
+                    cid, start + offsets, data, model.dtype, self._config.codec, self._config.zstd_level
+                )
+            )
+        parent = keys[index - 1] if index else ROOT_KEY
+        meta = BlockMeta(
+            keys[index], parent, model.fingerprint, ns, index, toks[start : start + b].copy(),
+            c, 0, perm, block_scores, sum(len(x) for x in chunks), time.time(), namespace,
+        )  # fmt: skip
+        return meta, chunks
+
+    def _encode_layered(
+        self, toks: Array, block_kv: Array, block_scores: Array | None, keys: list[bytes], index: int,
+        model: ModelSpec, root: Root, namespace: str,
+    ) -> NewBlock:  # fmt: skip
+        """A block in the layered layout (kvstore/layered_blocks.py): prompt order, scores kept."""
+        b, c = self._config.block_tokens, self._config.layer_chunk_tokens
+        if model.num_layers * (1 + b // c) > MAX_RECORDS:  # record indices are u16 in chunk keys
+            raise InvalidInputError(
+                f"layer_chunk_tokens {c} gives {model.num_layers * (1 + b // c)} records per block of "
+                f"{model.name}, more than {MAX_RECORDS}: use larger chunks"
+            )
+        parent = keys[index - 1] if index else ROOT_KEY
+        meta = BlockMeta(
+            keys[index], parent, model.fingerprint, root[0], index, toks[index * b : (index + 1) * b].copy(),
+            c, 0, np.arange(b, dtype=np.int64), block_scores, 0, time.time(), namespace, LAYERED,
+            model.num_layers,
+        )  # fmt: skip
+        cfg = self._config
+        records = encode_layered(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
+        return replace(meta, nbytes=sum(len(x) for x in records)), records
+
+    def _put_durable(self, tier: Tier, blocks: list[NewBlock], needed: int) -> None:
+        usage = tier.usage()
+        if usage.capacity_bytes is not None and usage.used_bytes + needed > usage.capacity_bytes:
+            self._index.evict(usage.used_bytes + needed - usage.capacity_bytes)
+            usage = tier.usage()
+            if usage.used_bytes + needed > (usage.capacity_bytes or 0):
+                raise StoreFullError(
+                    f"{tier.name} tier budget of {usage.capacity_bytes} B is held by pinned blocks "
+                    f"({usage.used_bytes} B used, {needed} B needed); nothing of this call was kept"
+                )
+        try:
+            tier.put_blocks(blocks)
+        except TierFullError:
+            self._index.evict(max(needed, (usage.capacity_bytes or 0) // 10))
+            try:
+                tier.put_blocks(blocks)
+            except TierFullError as exc:
+                raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc

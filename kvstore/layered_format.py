@@ -1,0 +1,55 @@
+"""Blocks in the layered layout: which records a block has, and how they are encoded.
+
+A layered block (docs/importance.md, "Layered layout") stores, by record index:
+
+- 0 .. layers-1: the 2-bit key summary of layer L (kvstore/summary.py);
+- layers + L: the layer record of layer L (kvstore/layer_record.py): all its chunks of
+  `chunk_tokens` positions, in prompt order, each one addressable by byte range.
+
+The tiers store records by (block key, layout version, index) and need not know which
+kind a record is. How a load reads them is kvstore/layered_blocks.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.codec import reencode_raw
+from kvstore.layer_record import (
+    encode_layer_record,
+    is_layer_record,
+    raw_layer_record,
+)
+from kvstore.meta import BlockMeta
+from kvstore.summary import encode_summary, is_summary
+from kvstore.values import Array
+
+
+def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
+    """Every record of a layered block, in record-index order.
+
+    Args:
+        meta: the block's metadata (layered; its `nbytes` is not read).
+        kv: the block's KV in prompt order, (layers, 2, kv_heads, block_tokens, head_dim).
+        dtype: the model's dtype name; codec and zstd_level: as kvstore.codec.encode_chunk.
+    """
+    records = [encode_summary(meta.chunk_id(layer), kv[layer, 0]) for layer in range(meta.num_layers)]
+    for layer in range(meta.num_layers):
+        cid = meta.chunk_id(meta.record_index(layer, 0))
+        records.append(encode_layer_record(cid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level))
+    return records
+
+
+def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
+    """Record indices a load of `units` reads: the units themselves, or for a layered block
+    every layer record (a unit is one chunk of every layer)."""
+    if not meta.is_layered:
+        return list(units)
+    return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
+
+
+def memory_record(data: bytes, dtype: str) -> bytes:
+    """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as is."""
+    if is_summary(data):
+        return data
+    return raw_layer_record(data) if is_layer_record(data) else reencode_raw(data, dtype)

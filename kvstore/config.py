@@ -6,8 +6,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.codec import CODEC_IDS
 from kvstore.errors import InvalidInputError
+
+# The chunk codecs a store can write (kvstore/codec.py gives each its id on disk).
+CODECS = ("raw", "shuffle-zstd")
 
 #: The file LMDB keeps its data in, inside its environment directory.
 LMDB_DATA_FILE = "data.mdb"
@@ -84,8 +86,8 @@ class StoreConfig:
             raise InvalidInputError(f"memory_bytes must be >= 0, got {self.memory_bytes}")
         if self.disk_bytes is not None and self.disk_bytes <= 0:
             raise InvalidInputError(f"disk_bytes must be > 0 or None, got {self.disk_bytes}")
-        if self.codec not in CODEC_IDS:
-            raise InvalidInputError(f"codec must be one of {sorted(CODEC_IDS)}, got {self.codec!r}")
+        if self.codec not in CODECS:
+            raise InvalidInputError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
         if not 1 <= self.zstd_level <= 19:
             raise InvalidInputError(f"zstd_level must be in [1, 19], got {self.zstd_level}")
         if self.memory_policy not in ("score", "lru"):

@@ -5,8 +5,16 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from kvstore.tiers.base import TierUsage
+
+class TierUsage(NamedTuple):
+    """Occupancy of a tier, in bytes of encoded chunks (metadata excluded)."""
+
+    used_bytes: int
+    capacity_bytes: int | None
+    num_blocks: int
+    num_chunks: int
 
 
 @dataclass(frozen=True)

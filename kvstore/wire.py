@@ -16,8 +16,7 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.budget import AUTO, AutoBudget, Budget
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
-from kvstore.stats import StoreStats
-from kvstore.tiers.base import TierUsage
+from kvstore.stats import StoreStats, TierUsage
 
 Array = np.ndarray[Any, Any]
 

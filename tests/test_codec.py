@@ -99,3 +99,11 @@ def test_bad_arguments() -> None:
         encode_chunk(CID, np.arange(3), kv, "float16")
     with pytest.raises(InvalidInputError, match="shape"):
         encode_chunk(CID, np.arange(4), kv[0], "float16")
+
+
+def test_every_codec_a_store_may_be_configured_with_has_an_id_on_disk() -> None:
+    from kvstore.codec import CODEC_IDS
+    from kvstore.config import CODECS
+
+    assert set(CODEC_IDS) == set(CODECS)
+    assert len(set(CODEC_IDS.values())) == len(CODEC_IDS)

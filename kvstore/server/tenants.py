@@ -12,9 +12,8 @@ import threading
 from collections import Counter
 
 from kvstore.keys import namespace_digest
-from kvstore.stats import StoreStats
+from kvstore.stats import StoreStats, TierUsage
 from kvstore.store import TieredStore
-from kvstore.tiers.base import TierUsage
 
 
 class TenantCounters:

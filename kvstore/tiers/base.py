@@ -8,20 +8,12 @@ Every method is thread-safe.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from kvstore.meta import BlockMeta
+from kvstore.stats import TierUsage
 
 Span = tuple[int, int]  # a byte range [start, end) of one record
-
-
-class TierUsage(NamedTuple):
-    """Occupancy of a tier, in bytes of encoded chunks (metadata excluded)."""
-
-    used_bytes: int
-    capacity_bytes: int | None
-    num_blocks: int
-    num_chunks: int
 
 
 class Tier(Protocol):

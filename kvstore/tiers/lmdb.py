@@ -28,7 +28,8 @@ import lmdb
 from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError, TierFullError
 from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import Span, TierUsage
+from kvstore.stats import TierUsage
+from kvstore.tiers.base import Span
 from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 from kvstore.tiers.lmdbread import HintThread, MapReader
 from kvstore.tiers.mapguard import MapGuard

@@ -18,7 +18,8 @@ import numpy as np
 
 from kvstore.errors import TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import Span, TierUsage
+from kvstore.stats import TierUsage
+from kvstore.tiers.base import Span
 from kvstore.tiers.pinned import host_buffer
 
 ChunkRef = tuple[bytes, int]  # (block key, chunk index)

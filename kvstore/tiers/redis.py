@@ -32,7 +32,8 @@ from redis.retry import Retry
 
 from kvstore.errors import ChecksumError, RemoteUnavailableError, TierFullError
 from kvstore.meta import BlockMeta
-from kvstore.tiers.base import Span, TierUsage
+from kvstore.stats import TierUsage
+from kvstore.tiers.base import Span
 from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
 
 T = TypeVar("T")

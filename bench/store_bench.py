@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from bench.cache import make_cold, timed_seq_read_mb_s, write_seq_file
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
+from kvstore.format.chunk import ChunkId, decode_chunk, encode_chunk
 from kvstore.model import ModelSpec
 from kvstore.place import place_chunks
 from kvstore.store import TieredStore

@@ -14,15 +14,15 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.codec import decode_chunk, encode_chunk
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, KVSieveError
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.chunk import decode_chunk, encode_chunk
+from kvstore.format.layered_block import stored_records
 from kvstore.index import StoreIndex
 from kvstore.layered_blocks import load_units
 from kvstore.layered_fetch import RecordFetcher
-from kvstore.layered_format import stored_records
 from kvstore.load_plan import LoadPlan
-from kvstore.meta import BlockMeta
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.stack import TierStack

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from importance.layout import importance_order
-from kvstore.codec import ChunkId, encode_chunk
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
+from kvstore.format.block_meta import LAYERED, BlockMeta
+from kvstore.format.chunk import ChunkId, encode_chunk
+from kvstore.format.layered_block import encode_layered, memory_record
 from kvstore.index import StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
-from kvstore.layered_format import encode_layered, memory_record
-from kvstore.meta import LAYERED, BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier

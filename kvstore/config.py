@@ -8,12 +8,12 @@ from pathlib import Path
 
 from kvstore.errors import InvalidInputError
 
-# The chunk codecs a store can write (kvstore/codec.py gives each its id on disk).
+# The chunk codecs a store can write (kvstore/format/chunk.py gives each its id on disk).
 CODECS = ("raw", "shuffle-zstd")
 
 #: The file LMDB keeps its data in, inside its environment directory.
 LMDB_DATA_FILE = "data.mdb"
-#: Block layouts a store can write (kvstore.meta.BlockMeta.layout records which one a block has).
+#: Block layouts a store can write (kvstore.format.block_meta.BlockMeta.layout records which one a block has).
 LAYOUTS = ("importance", "layered")
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 
 ChunkRef = tuple[bytes, int]  # (block key, chunk index)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.codec import decode_chunk
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import (
     ChecksumError,
@@ -29,12 +28,13 @@ from kvstore.errors import (
     FsckCannotRunError,
     StorageUnavailableError,
 )
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.chunk import decode_chunk
+from kvstore.format.key_summary import decode_summary
+from kvstore.format.layer_record import decode_layer_record
 from kvstore.keys import ROOT_KEY, parse_chunk_key
-from kvstore.layer_record import decode_layer_record
 from kvstore.lock import DataDirLock
-from kvstore.meta import BlockMeta
 from kvstore.progress import progress_bar
-from kvstore.summary import decode_summary
 from kvstore.tiers.lmdb import LmdbTier
 
 EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3

@@ -28,8 +28,8 @@ from kvstore.api import Lease
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError, TierFullError
 from kvstore.eviction import create_policy
+from kvstore.format.block_meta import BlockMeta
 from kvstore.leases import LeaseTable
-from kvstore.meta import BlockMeta
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier

@@ -20,12 +20,12 @@ import numpy as np
 from importance.lowbit import LowBitKeys, dequantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
-from kvstore.layer_record import decode_layer_record
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
+from kvstore.format.layer_record import decode_layer_record
 from kvstore.layered_blocks import RangedHeader, read_chunk_runs, read_header, reads_whole
-from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
-from kvstore.summary import DecodedSummary, decode_summary, summary_record_bytes
 from kvstore.values import Array, check_layer
 from radix import MatchResult
 

@@ -1,6 +1,6 @@
 """Reading blocks of the layered layout: how a load joins their layer records into chunks.
 
-The records and their encoding are kvstore/layered_format.py. A normal `load` selects
+The records and their encoding are kvstore/format/layered_block.py. A normal `load` selects
 units: chunk c of every layer, joined into one all-layer chunk (`load_units`); a
 partial load reads a layer record's header and its chosen chunks' byte ranges.
 """
@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvstore.layer_record import (
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.layer_record import (
     LayerHeader,
     decode_layer_record,
     decode_run,
@@ -20,7 +21,6 @@ from kvstore.layer_record import (
     parse_header,
 )
 from kvstore.layered_fetch import Fetched, RecordFetcher
-from kvstore.meta import BlockMeta
 from kvstore.values import Array, LoadedChunk
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.errors import ChecksumError, KVSieveError
-from kvstore.layer_record import LayerHeader, parse_header, raw_from_chunks
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.layer_record import LayerHeader, parse_header, raw_from_chunks
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.stack import TierStack

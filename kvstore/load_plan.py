@@ -13,7 +13,7 @@ import numpy as np
 
 from importance.layout import BlockSelection, budget_to_tokens, rank_chunks, select_by_coverage, select_chunks
 from kvstore.budget import AutoBudget
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from radix import MatchResult
 
 

@@ -30,13 +30,13 @@ from importance.layout import (
     importance_order,
     layout_change,
 )
-from kvstore.codec import decode_chunk, encode_chunk
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
+from kvstore.format.block_meta import LAYERED, BlockMeta
+from kvstore.format.chunk import decode_chunk, encode_chunk
+from kvstore.format.layered_block import encode_layered
 from kvstore.keys import parse_chunk_key
-from kvstore.layered_format import encode_layered
 from kvstore.lock import DataDirLock
-from kvstore.meta import LAYERED, BlockMeta
 from kvstore.progress import progress_bar
 from kvstore.tiers.lmdb import LmdbTier
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.config import StoreConfig
 from kvstore.errors import RemoteUnavailableError, TierFullError
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import Counters
 from kvstore.tiers.breaker import CircuitBreaker
 from kvstore.tiers.redis import RedisTier

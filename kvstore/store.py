@@ -29,13 +29,13 @@ from kvstore.block_writer import BlockWriter
 from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
+from kvstore.format.block_meta import BlockMeta
 from kvstore.index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.layered import LocalLayeredLoad, open_layered
 from kvstore.leases import LeaseTable
 from kvstore.load_plan import plan_load
 from kvstore.lock import DataDirLock
-from kvstore.meta import BlockMeta
 from kvstore.model import ModelSpec
 from kvstore.results import LocalLoadStream
 from kvstore.stats import Counters, StoreStats

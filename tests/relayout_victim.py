@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from kvstore.relayout import relayout
 from kvstore.tiers.lmdb import LmdbTier
 

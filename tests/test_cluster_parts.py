@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from kvstore.tiers.breaker import BreakerState, CircuitBreaker
 from kvstore.tiers.writebehind import WriteBehind
 from tests.test_tiers_contract import make_block

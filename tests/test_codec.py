@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk, read_chunk_id
 from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.format.chunk import ChunkId, decode_chunk, encode_chunk, read_chunk_id
 from kvstore.model import numpy_dtype
 
 CID = ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 3, 7)
@@ -102,8 +102,8 @@ def test_bad_arguments() -> None:
 
 
 def test_every_codec_a_store_may_be_configured_with_has_an_id_on_disk() -> None:
-    from kvstore.codec import CODEC_IDS
     from kvstore.config import CODECS
+    from kvstore.format.chunk import CODEC_IDS
 
     assert set(CODEC_IDS) == set(CODECS)
     assert len(set(CODEC_IDS.values())) == len(CODEC_IDS)

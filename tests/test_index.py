@@ -12,9 +12,9 @@ from test_tiers_contract import FP, NS, make_block
 
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError
+from kvstore.format.block_meta import BlockMeta
 from kvstore.index import StoreIndex
 from kvstore.load_plan import plan_load
-from kvstore.meta import BlockMeta
 from kvstore.stats import Counters
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier

@@ -19,8 +19,8 @@ from conftest import TINY, kvsieve, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError
+from kvstore.format.block_meta import BlockMeta
 from kvstore.fsck import fsck
-from kvstore.meta import BlockMeta
 from kvstore.store import TieredStore
 
 PROMPT = make_tokens(96)  # three blocks of 32

@@ -1,4 +1,4 @@
-"""Layer records (kvstore/layer_record.py): round trips, ranged decodes, and every way a record can be bad."""
+"""Layer records (kvstore/format/layer_record.py): round trips, ranged decodes, every bad record."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.codec import ChunkId
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.layer_record import (
+from kvstore.format.chunk import ChunkId
+from kvstore.format.layer_record import (
     decode_layer_record,
     decode_run,
     encode_layer_record,

@@ -18,10 +18,10 @@ from importance.lowbit import dequantize, quantize
 from kvstore.api import LayeredLoad, PrefixStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.layer_record import header_bytes
-from kvstore.meta import BlockMeta, identity_error
+from kvstore.format.block_meta import BlockMeta, identity_error
+from kvstore.format.key_summary import summary_record_bytes
+from kvstore.format.layer_record import header_bytes
 from kvstore.store import TieredStore
-from kvstore.summary import summary_record_bytes
 from tests.conftest import TINY, corrupt_chunk, make_kv, make_tokens
 
 B, C = 32, 8  # block tokens; tokens per per-layer chunk

@@ -1,4 +1,4 @@
-"""Summary records of the layered layout (kvstore/summary.py): round trip, corruption, identity."""
+"""Summary records of the layered layout (kvstore/format/key_summary.py): round trip, corruption, identity."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from importance.lowbit import dequantize, quantize
-from kvstore.codec import ChunkId
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.summary import decode_summary, encode_summary, is_summary, summary_record_bytes
+from kvstore.format.chunk import ChunkId
+from kvstore.format.key_summary import decode_summary, encode_summary, is_summary, summary_record_bytes
 
 RID = ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 3, 1)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.codec import ChunkId, encode_chunk
 from kvstore.errors import TierFullError
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.chunk import ChunkId, encode_chunk
 from kvstore.keys import ROOT_KEY, block_key
-from kvstore.meta import BlockMeta
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 

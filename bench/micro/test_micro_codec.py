@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.codec import ChunkId, decode_chunk, encode_chunk
+from kvstore.format.chunk import ChunkId, decode_chunk, encode_chunk
 from kvstore.model import ModelSpec
 
 CHUNK_TOKENS = 16

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
 
 Span = tuple[int, int]  # a byte range [start, end) of one record

@@ -26,8 +26,8 @@ from typing import Any
 import lmdb
 
 from kvstore.errors import ChecksumError, DamagedStoreError, StorageUnavailableError, TierFullError
+from kvstore.format.block_meta import BlockMeta
 from kvstore.keys import KEY_BYTES, chunk_key
-from kvstore.meta import BlockMeta
 from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
 from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error

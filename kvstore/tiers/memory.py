@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import TierFullError
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
 from kvstore.tiers.pinned import host_buffer

@@ -31,7 +31,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvstore.errors import ChecksumError, RemoteUnavailableError, TierFullError
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
 from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvstore.meta import BlockMeta
+from kvstore.format.block_meta import BlockMeta
 
 WriteFn = Callable[[BlockMeta, Sequence[bytes]], None]
 

@@ -2,8 +2,8 @@
 
 A layered block (docs/importance.md, "Layered layout") stores, by record index:
 
-- 0 .. layers-1: the 2-bit key summary of layer L (kvstore/summary.py);
-- layers + L: the layer record of layer L (kvstore/layer_record.py): all its chunks of
+- 0 .. layers-1: the 2-bit key summary of layer L (kvstore/format/key_summary.py);
+- layers + L: the layer record of layer L (kvstore/format/layer_record.py): all its chunks of
   `chunk_tokens` positions, in prompt order, each one addressable by byte range.
 
 The tiers store records by (block key, layout version, index) and need not know which
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.codec import reencode_raw
-from kvstore.layer_record import (
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.chunk import reencode_raw
+from kvstore.format.key_summary import encode_summary, is_summary
+from kvstore.format.layer_record import (
     encode_layer_record,
     is_layer_record,
     raw_layer_record,
 )
-from kvstore.meta import BlockMeta
-from kvstore.summary import encode_summary, is_summary
 from kvstore.values import Array
 
 
@@ -31,7 +31,7 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
     Args:
         meta: the block's metadata (layered; its `nbytes` is not read).
         kv: the block's KV in prompt order, (layers, 2, kv_heads, block_tokens, head_dim).
-        dtype: the model's dtype name; codec and zstd_level: as kvstore.codec.encode_chunk.
+        dtype: the model's dtype name; codec and zstd_level: as kvstore.format.chunk.encode_chunk.
     """
     records = [encode_summary(meta.chunk_id(layer), kv[layer, 0]) for layer in range(meta.num_layers)]
     for layer in range(meta.num_layers):

@@ -28,8 +28,8 @@ import numpy as np
 import xxhash
 
 from importance.lowbit import LowBitKeys, dequantize, pack_codes, packed_bytes, quantize, unpack_codes
-from kvstore.codec import ChunkId
 from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.format.chunk import ChunkId
 
 Array = np.ndarray[Any, Any]
 

@@ -13,7 +13,7 @@ only the byte ranges of the chunks it wants. Layout (little-endian)::
               of the chunk's stored bytes
     checksum  u64 xxh3-64 over header and table
     chunks    chunk c: raw (2, kv_heads, chunk_tokens, head_dim) in the dtype, or that
-              array shuffled and zstd-compressed (kvstore/codec.py's shuffle-zstd)
+              array shuffled and zstd-compressed (kvstore/format/chunk.py's shuffle-zstd)
 
 The header's size depends only on the number of chunks (`header_bytes`), so a reader
 that knows the block's chunk count reads it with one range request.
@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore.codec import CODEC_IDS, ChunkId, _decompress_unshuffle, _shuffle_compress
 from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.format.chunk import CODEC_IDS, ChunkId, _decompress_unshuffle, _shuffle_compress
 from kvstore.model import DTYPE_IDS, numpy_dtype
 
 Array = np.ndarray[Any, Any]

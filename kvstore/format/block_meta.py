@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstore.codec import ChunkId
 from kvstore.errors import ChecksumError
+from kvstore.format.chunk import ChunkId
 from kvstore.keys import ROOT_KEY, block_key
 
 _FIXED = struct.Struct("<4sH16s16s16sIIHIQdI")  # see BlockMeta.to_bytes
@@ -88,7 +88,7 @@ class BlockMeta:
     @property
     def num_chunks(self) -> int:
         """Records in the block: its chunks, or for a layered block a summary and a layer record
-        per layer (kvstore/layer_record.py)."""
+        per layer (kvstore/format/layer_record.py)."""
         if self.is_layered:
             return 2 * self.num_layers
         return self.chunks_per_layer

@@ -28,7 +28,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.stack import TierStack
 from kvstore.values import LoadedChunk
 
-if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote tier loads it
+if TYPE_CHECKING:  # kvstore.tiers.remote.link imports redis: only a store with a remote tier loads it
     pass
 
 

@@ -30,8 +30,8 @@ from kvstore.tiers.stack import TierStack
 from kvstore.values import Array
 from radix import MatchResult
 
-if TYPE_CHECKING:  # kvstore.remote imports redis: only a store with a remote tier loads it
-    from kvstore.tiers.lmdb import LmdbTier
+if TYPE_CHECKING:  # kvstore.tiers.remote.link imports redis: only a store with a remote tier loads it
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
 
 NewBlock = tuple[BlockMeta, list[bytes]]

@@ -33,9 +33,9 @@ from kvstore.format.chunk import decode_chunk
 from kvstore.format.key_summary import decode_summary
 from kvstore.format.layer_record import decode_layer_record
 from kvstore.keys import ROOT_KEY, parse_chunk_key
-from kvstore.lock import DataDirLock
 from kvstore.progress import progress_bar
-from kvstore.tiers.lmdb import LmdbTier
+from kvstore.tiers.disk.lmdb import LmdbTier
+from kvstore.tiers.disk.lock import DataDirLock
 
 EXIT_CLEAN, EXIT_REPAIRED, EXIT_PROBLEMS, EXIT_CANNOT_RUN = 0, 1, 2, 3
 

@@ -36,9 +36,9 @@ from kvstore.format.block_meta import LAYERED, BlockMeta
 from kvstore.format.chunk import decode_chunk, encode_chunk
 from kvstore.format.layered_block import encode_layered
 from kvstore.keys import parse_chunk_key
-from kvstore.lock import DataDirLock
 from kvstore.progress import progress_bar
-from kvstore.tiers.lmdb import LmdbTier
+from kvstore.tiers.disk.lmdb import LmdbTier
+from kvstore.tiers.disk.lock import DataDirLock
 
 
 @dataclass

@@ -35,19 +35,19 @@ from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.layered import LocalLayeredLoad, open_layered
 from kvstore.leases import LeaseTable
 from kvstore.load_plan import plan_load
-from kvstore.lock import DataDirLock
 from kvstore.model import ModelSpec
 from kvstore.results import LocalLoadStream
 from kvstore.stats import Counters, StoreStats
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
+from kvstore.tiers.disk.lock import DataDirLock
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.stack import TierStack
 from kvstore.values import DEFAULT_NAMESPACE, Array, LookupResult, StoreResult, validate_kv
 from radix import MatchResult, RadixTree
 
 if TYPE_CHECKING:
-    from kvstore.remote import RemoteLink
+    from kvstore.tiers.remote.link import RemoteLink
 
 
 class TieredStore:
@@ -77,7 +77,7 @@ class TieredStore:
         memory = MemoryTier(self.config.memory_bytes, pin_host_memory=self.config.pin_host_memory)
         self.remote_link: RemoteLink | None = None
         if self.config.has_remote:
-            from kvstore.remote import open_link  # imports redis only when a remote tier is used
+            from kvstore.tiers.remote.link import open_link  # imports redis only when a remote tier is used
 
             self.remote_link = open_link(self.config, self.counters)
         self.index = StoreIndex(

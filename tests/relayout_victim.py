@@ -11,7 +11,7 @@ import sys
 
 from kvstore.format.block_meta import BlockMeta
 from kvstore.relayout import relayout
-from kvstore.tiers.lmdb import LmdbTier
+from kvstore.tiers.disk.lmdb import LmdbTier
 
 _drop_layout = LmdbTier.drop_layout
 

@@ -13,8 +13,8 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.tiers.breaker import BreakerState, CircuitBreaker
-from kvstore.tiers.writebehind import WriteBehind
+from kvstore.tiers.remote.breaker import BreakerState, CircuitBreaker
+from kvstore.tiers.remote.writebehind import WriteBehind
 from tests.test_tiers_contract import make_block
 
 
@@ -175,7 +175,7 @@ def test_remote_nodes_from_a_comma_separated_string() -> None:
 def test_every_key_of_a_block_hashes_to_one_slot(redis_cluster: object) -> None:
     from redis.crc import key_slot
 
-    from kvstore.tiers.redis import RedisTier
+    from kvstore.tiers.remote.redis import RedisTier
 
     tier = RedisTier(nodes=redis_cluster.addresses, prefix="slots")  # type: ignore[attr-defined]
     meta, _ = make_block(13, num_chunks=8)

@@ -19,7 +19,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
-from kvstore.tiers.breaker import BreakerState, CircuitBreaker
+from kvstore.tiers.remote.breaker import BreakerState, CircuitBreaker
 from kvstore.values import DEFAULT_NAMESPACE
 
 B = 32  # block_tokens of every store here

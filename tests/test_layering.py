@@ -317,7 +317,7 @@ def test_tiers_and_codec_import_no_siblings() -> None:
         "kvstore.errors",
         "kvstore.keys",
         "kvstore.model",
-        "kvstore.remote",
+        "kvstore.tiers.remote.link",
         "kvstore.stats",
         "kvstore.values",
         "kvstore.config",

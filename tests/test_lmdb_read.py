@@ -1,4 +1,4 @@
-"""Cold loads read LMDB values with pread (kvstore/tiers/lmdbread.py), still verified.
+"""Cold loads read LMDB values with pread (kvstore/tiers/disk/pread.py), still verified.
 
 Real LMDB files under tmp_path: a restarted store (empty memory tier) loads from
 disk through the pread path, a byte flipped in data.mdb is still caught by the
@@ -16,7 +16,7 @@ from conftest import make_kv, make_tokens
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store import TieredStore
-from kvstore.tiers.lmdbread import HintThread, MapReader, find_mapping
+from kvstore.tiers.disk.pread import HintThread, MapReader, find_mapping
 
 # 2 KiB per token: a chunk of 8 tokens is 16 KiB, stored in LMDB overflow pages.
 WIDE = ModelSpec("test-wide", num_layers=4, num_kv_heads=2, head_dim=64)

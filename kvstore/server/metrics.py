@@ -58,7 +58,7 @@ class StoreCollector:
         yield from _remote_metrics(stats.counters)
 
 
-# The remote tier's `remote.*` counters (kvstore/remote.py); these three are levels, not totals.
+# The remote tier's `remote.*` counters (kvstore/tiers/remote/link.py); these three are levels, not totals.
 _REMOTE_GAUGES = {"breaker_state": "Remote breaker state: 0 closed, 1 open, 2 half-open (worst node)",
                   "queue_blocks": "Blocks waiting in the write-behind queue",
                   "queue_bytes": "Bytes waiting in the write-behind queue"}  # fmt: skip

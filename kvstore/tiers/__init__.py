@@ -18,11 +18,11 @@ def create_tier(kind: str, **options: Any) -> Tier:
 
         return MemoryTier(**options)
     if kind == "lmdb":
-        from kvstore.tiers.lmdb import LmdbTier
+        from kvstore.tiers.disk.lmdb import LmdbTier
 
         return LmdbTier(**options)
     if kind == "redis":
-        from kvstore.tiers.redis import RedisTier
+        from kvstore.tiers.remote.redis import RedisTier
 
         return RedisTier(**options)
     raise ValueError(f"tier kind must be one of 'memory', 'lmdb', 'redis', got {kind!r}")

@@ -14,7 +14,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # the remote link imports redis: only a store with a remote tier loads it
-    from kvstore.remote import RemoteLink
+    from kvstore.tiers.remote.link import RemoteLink
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A block's chunks and its metadata are written in one write transaction, so a
 process killed at any instant leaves either the whole block or none of it.
 LMDB's copy-on-write B-tree with synchronous commits gives that without a journal
 of our own; `put_blocks` writes several blocks in one transaction (a Store call is
-all or nothing). The data file is checked before it is mapped (kvstore/tiers/lmdbfile.py),
+all or nothing). The data file is checked before it is mapped (kvstore/tiers/disk/datafile.py),
 write failures become `StoreFullError` (disk full) or `StorageUnavailableError`,
 and every write first checks that `data.mdb` is still the file that was opened:
 one deleted or replaced under a running store fails writes instead of writing
@@ -30,9 +30,9 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
-from kvstore.tiers.lmdbfile import DATA_FILE, check_data_file, reserve_lock_file, write_error
-from kvstore.tiers.lmdbread import HintThread, MapReader
-from kvstore.tiers.mapguard import MapGuard
+from kvstore.tiers.disk.datafile import DATA_FILE, check_data_file, reserve_lock_file, write_error
+from kvstore.tiers.disk.mapguard import MapGuard
+from kvstore.tiers.disk.pread import HintThread, MapReader
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -172,7 +172,7 @@ class LmdbTier:
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         """The chunks, read through one cursor: a block's chunk keys sort adjacently, so the
-        cursor stays on the same leaf page; the values are read with pread (kvstore/tiers/lmdbread.py)."""
+        cursor stays on the same leaf page; the values are read with pread (kvstore/tiers/disk/pread.py)."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
             views = [
@@ -299,7 +299,7 @@ class LmdbTier:
 
     @contextmanager
     def _read_txn(self, db: lmdb._Database, buffers: bool = False) -> Iterator[Any]:
-        """A read transaction that a resize of the map waits for (kvstore/tiers/mapguard.py)."""
+        """A read transaction that a resize of the map waits for (kvstore/tiers/disk/mapguard.py)."""
         with self._map_guard.reading():
             txn = self._env.begin(db=db, buffers=True) if buffers else self._env.begin(db=db)
             with txn:

@@ -9,7 +9,7 @@ with GETRANGE). Reads of several blocks go out as one pipeline, split per node.
 
 The remote tier is a cache that may be slow, down or evicting on its own
 (`maxmemory-policy allkeys-lru`): every call has a short socket timeout and goes
-through a circuit breaker (kvstore/tiers/breaker.py). A read that fails, times
+through a circuit breaker (kvstore/tiers/remote/breaker.py). A read that fails, times
 out, is refused by the open breaker, or finds a value missing or malformed is a
 miss, counted, never an error; a write that fails raises `RemoteUnavailableError`
 whatever the client library raised (the store's write-behind worker counts and drops
@@ -34,7 +34,7 @@ from kvstore.errors import ChecksumError, RemoteUnavailableError, TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
-from kvstore.tiers.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
+from kvstore.tiers.remote.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
 
 T = TypeVar("T")
 _FAILURES = (redis.RedisError, RedisClusterException, OSError)

@@ -23,9 +23,9 @@ from kvstore.config import StoreConfig
 from kvstore.errors import RemoteUnavailableError, TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import Counters
-from kvstore.tiers.breaker import CircuitBreaker
-from kvstore.tiers.redis import RedisTier
-from kvstore.tiers.writebehind import WriteBehind
+from kvstore.tiers.remote.breaker import CircuitBreaker
+from kvstore.tiers.remote.redis import RedisTier
+from kvstore.tiers.remote.writebehind import WriteBehind
 
 
 def open_link(config: StoreConfig, counters: Counters) -> RemoteLink:

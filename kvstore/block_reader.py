@@ -4,7 +4,7 @@ It reads each planned block's chunks fastest tier first, verifies them (a block 
 read whole before any of its chunks is yielded), promotes what it read from a slower
 tier to memory, and starts the disk's readahead at the first chunk memory lacks. Which
 chunks to read is planned apart (kvstore/load_plan.py); what to keep in memory the
-index decides (kvstore/index.py).
+index decides (kvstore/index/store_index.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvstore.errors import ChecksumError, KVSieveError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import decode_chunk, encode_chunk
 from kvstore.format.layered_block import stored_records
-from kvstore.index import StoreIndex
+from kvstore.index.store_index import StoreIndex
 from kvstore.layered_blocks import load_units
 from kvstore.layered_fetch import RecordFetcher
 from kvstore.load_plan import LoadPlan

@@ -21,7 +21,7 @@ from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
 from kvstore.format.block_meta import LAYERED, BlockMeta
 from kvstore.format.chunk import ChunkId, encode_chunk
 from kvstore.format.layered_block import encode_layered, memory_record
-from kvstore.index import StoreIndex
+from kvstore.index.store_index import StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters

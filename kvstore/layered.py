@@ -30,7 +30,7 @@ from kvstore.values import Array, check_layer
 from radix import MatchResult
 
 if TYPE_CHECKING:
-    from kvstore.index import StoreIndex
+    from kvstore.index.store_index import StoreIndex
     from kvstore.layered_fetch import RecordFetcher
 
 

@@ -24,7 +24,7 @@ from kvstore.tiers.stack import TierStack
 from kvstore.values import Array
 
 if TYPE_CHECKING:
-    from kvstore.index import StoreIndex
+    from kvstore.index.store_index import StoreIndex
 
 
 _MAX_HEADERS = 1 << 16  # parsed headers kept (a few hundred bytes each)

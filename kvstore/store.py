@@ -1,6 +1,6 @@
 """TieredStore: the embedded `PrefixStore` over memory, disk and remote tiers.
 
-A thin composition: `StoreIndex` (kvstore/index.py) keeps the bookkeeping (radix
+A thin composition: `StoreIndex` (kvstore/index/store_index.py) keeps the bookkeeping (radix
 tree, leases, eviction of every local tier), `plan_load` (kvstore/load_plan.py)
 chooses the chunks a budget reads, `BlockWriter` (kvstore/block_writer.py) encodes
 and writes new blocks and `BlockReader` (kvstore/block_reader.py) reads, verifies
@@ -30,10 +30,10 @@ from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.index import StoreIndex
+from kvstore.index.leases import LeaseTable
+from kvstore.index.store_index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.layered import LocalLayeredLoad, open_layered
-from kvstore.leases import LeaseTable
 from kvstore.load_plan import plan_load
 from kvstore.model import ModelSpec
 from kvstore.results import LocalLoadStream

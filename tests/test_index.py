@@ -13,7 +13,7 @@ from test_tiers_contract import FP, NS, make_block
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.index import StoreIndex
+from kvstore.index.store_index import StoreIndex
 from kvstore.load_plan import plan_load
 from kvstore.stats import Counters
 from kvstore.tiers import create_tier

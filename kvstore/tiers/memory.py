@@ -2,7 +2,7 @@
 
 Plain storage with a byte count: it never evicts by itself. A put that does not
 fit fails (`TierFullError`, or False for one chunk); the store's index
-(kvstore/index.py) decides what leaves memory and calls `delete_chunk` or
+(kvstore/index/store_index.py) decides what leaves memory and calls `delete_chunk` or
 `delete_block`, so no block the index lists can lose a chunk behind its back.
 A block may be held partly (chunks promoted one by one, or evicted one by one).
 Buffers are page-locked when CUDA is available.

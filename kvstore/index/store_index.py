@@ -10,7 +10,7 @@ apart, from the matched blocks' metadata: kvstore/load_plan.py):
   every local tier at once (never from the shared remote tier: other sidecars use it);
 - in a memory-only store, memory pressure does the same (whole blocks);
 - beside a durable tier, memory is a cache of it and gives up single chunks ranked
-  by the configured policy (kvstore/eviction.py), never chunks of pinned blocks.
+  by the configured policy (kvstore/index/eviction.py), never chunks of pinned blocks.
 
 The tiers only store bytes and count them. Every method is thread-safe.
 """
@@ -27,9 +27,9 @@ import numpy as np
 from kvstore.api import Lease
 from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError, TierFullError
-from kvstore.eviction import create_policy
 from kvstore.format.block_meta import BlockMeta
-from kvstore.leases import LeaseTable
+from kvstore.index.eviction import create_policy
+from kvstore.index.leases import LeaseTable
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier

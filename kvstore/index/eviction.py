@@ -1,6 +1,6 @@
 """Chunk eviction policies of the memory cache, used by the store's index.
 
-The index (kvstore/index.py) owns eviction of every local tier. Beside a durable
+The index (kvstore/index/store_index.py) owns eviction of every local tier. Beside a durable
 tier, memory is a cache of it and gives up single chunks, ranked by one of these
 policies; the tiers themselves only store bytes. A policy is not thread-safe: the
 index calls it under its memory lock.

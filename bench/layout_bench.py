@@ -21,8 +21,8 @@ import numpy as np
 
 from bench.cache import make_cold
 from bench.store_bench import SMOLLM2_SHAPE
-from kvstore.alloc import keep_large_buffers
 from kvstore.config import StoreConfig
+from kvstore.load.buffers import keep_large_buffers
 from kvstore.store import TieredStore
 
 MODEL = SMOLLM2_SHAPE

@@ -25,8 +25,8 @@ import numpy as np
 
 from bench.redisd import RedisNode
 from bench.store_bench import SMOLLM2_SHAPE
-from kvstore.alloc import keep_large_buffers
 from kvstore.config import StoreConfig
+from kvstore.load.buffers import keep_large_buffers
 from kvstore.store import TieredStore
 
 MODEL = SMOLLM2_SHAPE

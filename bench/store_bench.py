@@ -20,8 +20,8 @@ import numpy as np
 from bench.cache import make_cold, timed_seq_read_mb_s, write_seq_file
 from kvstore.config import StoreConfig
 from kvstore.format.chunk import ChunkId, decode_chunk, encode_chunk
+from kvstore.load.assemble import place_chunks
 from kvstore.model import ModelSpec
-from kvstore.place import place_chunks
 from kvstore.store import TieredStore
 
 SMOLLM2_SHAPE = ModelSpec("bench-smollm2-135m-shape", num_layers=30, num_kv_heads=3, head_dim=64)
@@ -81,7 +81,7 @@ def _disk_and_memory(tmp: Path, n: int, rng: np.random.Generator, repeats: int) 
 
 def _timed_load(store: TieredStore, tokens: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> float:
     """Seconds to load a prefix and place every chunk at its tokens' positions in `out`
-    (kvstore/place.py: the copies split across two threads when the machine has two cores)."""
+    (kvstore/load/assemble.py: the copies split across two threads when the machine has two cores)."""
     t0 = time.perf_counter()
     stream = store.load(tokens, model=SMOLLM2_SHAPE)
     place_chunks(stream, out, at_positions=True)

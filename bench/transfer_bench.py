@@ -26,9 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench import grpc_floor
 from bench.sidecar import Sidecar
 from bench.store_bench import SMOLLM2_SHAPE
-from kvstore.alloc import keep_large_buffers
 from kvstore.client import KVClient
-from kvstore.place import place_chunks
+from kvstore.load.assemble import place_chunks
+from kvstore.load.buffers import keep_large_buffers
 from kvstore.transport import channel_options
 
 MODEL = SMOLLM2_SHAPE

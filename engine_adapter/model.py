@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvstore.alloc import keep_large_buffers
+from kvstore.load.buffers import keep_large_buffers
 from kvstore.model import ModelSpec
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

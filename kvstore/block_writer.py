@@ -156,7 +156,7 @@ class BlockWriter:
         self, toks: Array, block_kv: Array, block_scores: Array | None, keys: list[bytes], index: int,
         model: ModelSpec, root: Root, namespace: str,
     ) -> NewBlock:  # fmt: skip
-        """A block in the layered layout (kvstore/layered_blocks.py): prompt order, scores kept."""
+        """A block in the layered layout (kvstore/load/read_layered.py): prompt order, scores kept."""
         b, c = self._config.block_tokens, self._config.layer_chunk_tokens
         if model.num_layers * (1 + b // c) > MAX_RECORDS:  # record indices are u16 in chunk keys
             raise InvalidInputError(

@@ -19,8 +19,8 @@ from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client_arenas import ArenaPool, ClientArena, gather_by_position, increasing
 from kvstore.errors import KVSieveError
+from kvstore.load.stream import gather_chunks
 from kvstore.model import ModelSpec
-from kvstore.results import gather_chunks
 from kvstore.server.status import error_for
 from kvstore.values import LoadedChunk
 

@@ -201,7 +201,7 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
             continue
         total += len(data)
         expect = meta.chunk_id(index)
-        summary = meta.is_layered and index < meta.num_layers  # kvstore/layered_blocks.py
+        summary = meta.is_layered and index < meta.num_layers  # kvstore/load/read_layered.py
         layer_record = meta.is_layered and not summary
         try:
             if summary:

@@ -1,9 +1,9 @@
 """TieredStore: the embedded `PrefixStore` over memory, disk and remote tiers.
 
 A thin composition: `StoreIndex` (kvstore/index/store_index.py) keeps the bookkeeping (radix
-tree, leases, eviction of every local tier), `plan_load` (kvstore/load_plan.py)
+tree, leases, eviction of every local tier), `plan_load` (kvstore/load/plan.py)
 chooses the chunks a budget reads, `BlockWriter` (kvstore/block_writer.py) encodes
-and writes new blocks and `BlockReader` (kvstore/block_reader.py) reads, verifies
+and writes new blocks and `BlockReader` (kvstore/load/read.py) reads, verifies
 and promotes them. The index lists a block only after its data is
 durable in the slowest local tier, so a lookup never promises data that a crash
 could lose; the new blocks of one `store` call go to disk in one transaction.
@@ -22,9 +22,7 @@ import numpy as np
 
 from importance.history import accumulate, decay_factor
 from importance.layout import DEFAULT_MIN_CHANGE, layout_change
-from kvstore.alloc import keep_large_buffers
 from kvstore.api import Lease, StoreInfo, Tokens
-from kvstore.block_reader import BlockReader
 from kvstore.block_writer import BlockWriter
 from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
@@ -33,10 +31,12 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.index.leases import LeaseTable
 from kvstore.index.store_index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
-from kvstore.layered import LocalLayeredLoad, open_layered
-from kvstore.load_plan import plan_load
+from kvstore.load.buffers import keep_large_buffers
+from kvstore.load.layer_by_layer import LocalLayeredLoad, open_layered
+from kvstore.load.plan import plan_load
+from kvstore.load.read import BlockReader
+from kvstore.load.stream import LocalLoadStream
 from kvstore.model import ModelSpec
-from kvstore.results import LocalLoadStream
 from kvstore.stats import Counters, StoreStats
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier

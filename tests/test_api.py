@@ -20,7 +20,7 @@ from kvstore.store import TieredStore
 def test_the_thin_client_imports_no_store_no_lmdb_no_redis() -> None:
     code = (
         "import sys, kvstore.client, kvstore.api;"
-        "bad = [m for m in ('kvstore.store', 'kvstore.index.store_index', 'kvstore.block_reader',"
+        "bad = [m for m in ('kvstore.store', 'kvstore.index.store_index', 'kvstore.load.read',"
         " 'kvstore.block_writer', 'lmdb', 'redis', 'torch')"
         " if m in sys.modules]; print(bad)"
     )

@@ -14,7 +14,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.store_index import StoreIndex
-from kvstore.load_plan import plan_load
+from kvstore.load.plan import plan_load
 from kvstore.stats import Counters
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier

@@ -1,4 +1,4 @@
-"""The engine's layer-by-layer path over the embedded store's own layered layout (kvstore/layered.py).
+"""The engine's layer-by-layer path over the embedded store's own layered layout (kvstore/load/).
 
 Skipped where the store has no `open_layers` yet (branches before the layered layout).
 """

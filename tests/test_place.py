@@ -1,4 +1,4 @@
-"""Placing loaded chunks into one KV array (kvstore/place.py): by position and in stream
+"""Placing loaded chunks into one KV array (kvstore/load/assemble.py): by position and in stream
 order, scattered and consecutive positions, dtype conversion, the two-thread path, and
 bad input that leaves the destination untouched."""
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from conftest import make_kv, make_tokens
 
-from kvstore import place
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
+from kvstore.load import assemble as place
+from kvstore.load.assemble import place_chunks
+from kvstore.load.stream import gather_chunks
 from kvstore.model import ModelSpec
-from kvstore.place import place_chunks
-from kvstore.results import gather_chunks
 from kvstore.store import TieredStore
 from kvstore.values import LoadedChunk
 

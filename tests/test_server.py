@@ -265,7 +265,7 @@ def test_stats_command_against_a_server(sidecar: Sidecar) -> None:
 
 
 def test_loaded_kv_moves_to_a_device_or_stays_on_cpu(sidecar: Sidecar) -> None:
-    from kvstore.device import to_device
+    from kvstore.load.device import to_device
 
     tokens, kv = make_tokens(64, seed=15), make_kv(TINY, 64, seed=15)
     with KVClient(sidecar.address, use_shm=True) as client:

@@ -1,6 +1,6 @@
 """Layer records of the layered layout (v2): all chunks of one layer of one block in one record.
 
-A layered block (kvstore/layered_blocks.py) stores one such record per layer. Its
+A layered block (kvstore/load/read_layered.py) stores one such record per layer. Its
 chunks are `chunk_tokens` positions each, in prompt order (positions are implied:
 block start + c * chunk_tokens + i), chunk-major, each one checksummed and (for
 shuffle-zstd) compressed on its own, so that a reader can fetch the header and then

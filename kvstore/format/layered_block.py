@@ -7,7 +7,7 @@ A layered block (docs/importance.md, "Layered layout") stores, by record index:
   `chunk_tokens` positions, in prompt order, each one addressable by byte range.
 
 The tiers store records by (block key, layout version, index) and need not know which
-kind a record is. How a load reads them is kvstore/layered_blocks.py.
+kind a record is. How a load reads them is kvstore/load/read_layered.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The radix tree lists every block whose data is durable in the slowest local tier
 (or, in a memory-only store, held whole in memory), so a lookup never promises
 what a load cannot deliver. Beside it: the leases that pin blocks and eviction
 of every local tier, which has this one owner (which chunks a load reads is planned
-apart, from the matched blocks' metadata: kvstore/load_plan.py):
+apart, from the matched blocks' metadata: kvstore/load/plan.py):
 
 - disk pressure evicts least recently used unpinned blocks through the tree, from
   every local tier at once (never from the shared remote tier: other sidecars use it);

@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
-from kvstore.alloc import keep_large_buffers
 from kvstore.config import StoreConfig
+from kvstore.load.buffers import keep_large_buffers
 from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics

@@ -11,8 +11,8 @@ import numpy as np
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LoadStream
 from kvstore.errors import InvalidInputError
+from kvstore.load.assemble import Array, Copy, run_copies
 from kvstore.model import ModelSpec
-from kvstore.place import Array, Copy, run_copies
 from kvstore.server.batch_wire import encode_batch
 from kvstore.shm import ServerArena, dense_view
 from kvstore.values import LoadedChunk

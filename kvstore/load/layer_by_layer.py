@@ -1,7 +1,7 @@
 """The embedded store's `LayeredLoad`: a cached prefix read layer by layer (query-aware loads).
 
 `open_layered` takes the leading run of matched blocks stored in the layered layout
-(kvstore/layered_blocks.py) and pins them until the load is closed. `key_summary`
+(kvstore/load/read_layered.py) and pins them until the load is closed. `key_summary`
 reads one summary record per block of a layer (fastest tier first, promoted to
 memory); `read_layer` reads the chosen chunks of each block's layer record: the whole
 record (promoted) when it wants every chunk, else the record's header (verified and
@@ -23,7 +23,7 @@ from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFo
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
 from kvstore.format.layer_record import decode_layer_record
-from kvstore.layered_blocks import RangedHeader, read_chunk_runs, read_header, reads_whole
+from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, reads_whole
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array, check_layer
@@ -31,7 +31,7 @@ from radix import MatchResult
 
 if TYPE_CHECKING:
     from kvstore.index.store_index import StoreIndex
-    from kvstore.layered_fetch import RecordFetcher
+    from kvstore.load.fetch import RecordFetcher
 
 
 def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:

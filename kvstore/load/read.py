@@ -3,7 +3,7 @@
 It reads each planned block's chunks fastest tier first, verifies them (a block is
 read whole before any of its chunks is yielded), promotes what it read from a slower
 tier to memory, and starts the disk's readahead at the first chunk memory lacks. Which
-chunks to read is planned apart (kvstore/load_plan.py); what to keep in memory the
+chunks to read is planned apart (kvstore/load/plan.py); what to keep in memory the
 index decides (kvstore/index/store_index.py).
 """
 
@@ -20,9 +20,9 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import decode_chunk, encode_chunk
 from kvstore.format.layered_block import stored_records
 from kvstore.index.store_index import StoreIndex
-from kvstore.layered_blocks import load_units
-from kvstore.layered_fetch import RecordFetcher
-from kvstore.load_plan import LoadPlan
+from kvstore.load.fetch import RecordFetcher
+from kvstore.load.plan import LoadPlan
+from kvstore.load.read_layered import load_units
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.stack import TierStack

@@ -2,7 +2,7 @@
 
 Fastest tier first (memory, then the disk, then the shared remote tier). What comes
 from memory is trusted (this process wrote or verified it); everything else is
-verified by the caller (kvstore/layered_blocks.py, kvstore/layered.py) before use,
+verified by the caller (kvstore/load/read_layered.py, kvstore/load/layer_by_layer.py) before use,
 and a record read whole from a slower tier is then promoted to memory (`promote`).
 Ranges are never promoted: memory holds whole records only, and a range is not one.
 A remote record that fails its header check is a miss, counted and deleted remotely

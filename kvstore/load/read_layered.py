@@ -20,7 +20,7 @@ from kvstore.format.layer_record import (
     header_bytes,
     parse_header,
 )
-from kvstore.layered_fetch import Fetched, RecordFetcher
+from kvstore.load.fetch import Fetched, RecordFetcher
 from kvstore.values import Array, LoadedChunk
 
 if TYPE_CHECKING:

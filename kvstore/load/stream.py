@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from kvstore.load.assemble import place_chunks
 from kvstore.model import ModelSpec
-from kvstore.place import place_chunks
 from kvstore.values import Array, LoadedChunk
 
 
@@ -116,7 +116,7 @@ class LocalLoadStream:
 
 def gather_chunks(chunks: Iterable[LoadedChunk], model: ModelSpec) -> tuple[Array, Array]:
     """The chunks in stream order as (positions (n,), kv (layers, 2, heads, n, dim)): one new
-    array, filled by two threads when it is large (kvstore/place.py)."""
+    array, filled by two threads when it is large (kvstore/load/assemble.py)."""
     listed = list(chunks)
     kv = np.empty(model.kv_shape(sum(len(c.positions) for c in listed)), model.np_dtype)
     placed = place_chunks(listed, kv, at_positions=False)

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.transport import channel_options
+from kvstore.rpc.channel import channel_options
 
 METHOD = "/kvsieve.bench.Floor/Stream"
 

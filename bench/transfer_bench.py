@@ -29,7 +29,7 @@ from bench.store_bench import SMOLLM2_SHAPE
 from kvstore.client import KVClient
 from kvstore.load.assemble import place_chunks
 from kvstore.load.buffers import keep_large_buffers
-from kvstore.transport import channel_options
+from kvstore.rpc.channel import channel_options
 
 MODEL = SMOLLM2_SHAPE
 

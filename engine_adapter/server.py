@@ -37,9 +37,9 @@ from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
 from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidInputError, PermissionDeniedError, UnauthenticatedError
 from kvstore.keys import validate_namespace
+from kvstore.rpc.channel import channel_options
 from kvstore.server.auth import Authorizer
 from kvstore.server.config import ServerConfig
-from kvstore.transport import channel_options
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 

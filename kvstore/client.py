@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
@@ -28,10 +27,11 @@ from kvstore.client_stream import RemoteLoadStream, domain_error
 from kvstore.errors import NotFoundError, RpcFailedError
 from kvstore.keys import as_token_array, validate_namespace
 from kvstore.model import ModelSpec
+from kvstore.rpc import shm
+from kvstore.rpc.channel import channel_options, is_loopback
+from kvstore.rpc.messages import budget_to_fields, ctx_to_pb, kv_bytes, stats_from_pb
 from kvstore.stats import StoreStats
-from kvstore.transport import channel_options, is_loopback
 from kvstore.values import DEFAULT_NAMESPACE, LookupResult, StoreResult, validate_kv
-from kvstore.wire import budget_to_fields, ctx_to_pb, kv_bytes, stats_from_pb
 
 Array = np.ndarray[Any, Any]
 # Below this, a Store's KV goes as slices: CreateArena and the pool cost more than the copies.

@@ -15,20 +15,20 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client_arenas import ArenaPool, ClientArena, gather_by_position, increasing
 from kvstore.errors import KVSieveError
 from kvstore.load.stream import gather_chunks
 from kvstore.model import ModelSpec
-from kvstore.server.status import error_for
+from kvstore.rpc import shm
+from kvstore.rpc.status import error_for
 from kvstore.values import LoadedChunk
 
 Array = np.ndarray[Any, Any]
 
 
 def domain_error(exc: grpc.RpcError) -> KVSieveError:
-    """The kvsieve error a failed RPC's status stands for (kvstore/server/status.py)."""
+    """The kvsieve error a failed RPC's status stands for (kvstore/rpc/status.py)."""
     return error_for(exc.code(), exc.details() or "")
 
 

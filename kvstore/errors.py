@@ -1,7 +1,7 @@
 """Every error kvsieve raises on purpose: one family under `KVSieveError`.
 
 The gRPC layer maps each class to one status code in one table
-(kvstore/server/status.py); an exception outside this family is a bug and
+(kvstore/rpc/status.py); an exception outside this family is a bug and
 reaches a client as INTERNAL, never as "invalid input". The DSL's errors
 (engine_adapter/dsl/errors.py) derive from these classes too.
 

@@ -31,7 +31,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import DamagedStoreError, RpcFailedError, StorageUnavailableError, StoreFullError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
-from kvstore.server.status import status_for
+from kvstore.rpc.status import status_for
 from kvstore.store import TieredStore
 from kvstore.tiers.disk.datafile import storage_error
 

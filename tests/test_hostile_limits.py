@@ -21,8 +21,8 @@ from kvstore.api import Lease
 from kvstore.client import KVClient
 from kvstore.errors import LimitExceededError, StoreFullError
 from kvstore.model import ModelSpec
+from kvstore.rpc.messages import ctx_to_pb
 from kvstore.server.limits import TenantLeases
-from kvstore.wire import ctx_to_pb
 
 
 def _metric(server: Sidecar, name: str) -> float:

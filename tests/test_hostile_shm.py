@@ -23,14 +23,14 @@ from conftest import TINY, make_kv, make_tokens
 from hostile import auth_sidecar, bearer, code_of, raw_stub, wait_until
 
 from bench.sidecar import Sidecar
-from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client import KVClient
 from kvstore.errors import ArenaLimitError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
+from kvstore.rpc import shm
+from kvstore.rpc.messages import ctx_to_pb
 from kvstore.server.arenas import ArenaCache, Owner
-from kvstore.wire import ctx_to_pb
 
 WIDE = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)  # 16 KiB per token
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no memfd or /proc")
@@ -204,10 +204,10 @@ _VICTIM = textwrap.dedent(
     """
     import os, sys, time
     import grpc
-    from kvstore import shm
+    from kvstore.rpc import shm
     from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb, kvsieve_pb2_grpc as pb_grpc
     from kvstore.model import ModelSpec
-    from kvstore.wire import ctx_to_pb
+    from kvstore.rpc.messages import ctx_to_pb
 
     address, phase, num_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     model = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)

@@ -18,11 +18,11 @@ from conftest import TINY, make_kv, make_tokens
 from hostile import auth_sidecar, bearer, code_of, raw_stub
 
 from bench.sidecar import Sidecar
-from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.client import KVClient
-from kvstore.wire import ctx_to_pb
+from kvstore.rpc import shm
+from kvstore.rpc.messages import ctx_to_pb
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 A_TOKENS, A_KV = make_tokens(96, seed=21), make_kv(TINY, 96, seed=21)

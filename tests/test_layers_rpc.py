@@ -24,7 +24,7 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LayeredLoad
 from kvstore.client import KVClient
 from kvstore.errors import InvalidInputError, StoreFullError
-from kvstore.wire import ctx_to_pb
+from kvstore.rpc.messages import ctx_to_pb
 
 B, C = 32, 8  # the test sidecar's block tokens; per-layer chunk tokens
 N = 3 * B

@@ -15,14 +15,14 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 
 from bench.sidecar import Sidecar, free_port
-from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.client import KVClient
 from kvstore.errors import PermissionDeniedError, RpcFailedError, UnauthenticatedError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
-from kvstore.wire import ctx_to_pb
+from kvstore.rpc import shm
+from kvstore.rpc.messages import ctx_to_pb
 
 
 def test_eight_concurrent_clients_get_bit_exact_results(sidecar: Sidecar) -> None:

@@ -20,11 +20,11 @@ from conftest import make_kv, make_tokens
 from hostile import auth_sidecar, bearer, code_of, raw_stub
 
 from bench.sidecar import Sidecar
-from kvstore import shm
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client import KVClient
 from kvstore.model import ModelSpec
-from kvstore.wire import ctx_to_pb
+from kvstore.rpc import shm
+from kvstore.rpc.messages import ctx_to_pb
 
 WIDE = ModelSpec("test-wide", num_layers=8, num_kv_heads=8, head_dim=64)  # 16 KiB per token
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no memfd or /proc")

@@ -26,13 +26,13 @@ from kvstore.errors import (
     StoreFullError,
 )
 from kvstore.model import ModelSpec
+from kvstore.rpc.messages import ctx_to_pb
+from kvstore.rpc.status import STATUS_TABLE, error_for, status_for, status_of
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
-from kvstore.server.status import STATUS_TABLE, error_for, status_for, status_of
 from kvstore.store import TieredStore
 from kvstore.values import LookupResult
-from kvstore.wire import ctx_to_pb
 
 
 class BuggyStore(TieredStore):

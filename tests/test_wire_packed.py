@@ -17,7 +17,7 @@ from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.client import KVClient
-from kvstore.wire import ctx_to_pb
+from kvstore.rpc.messages import ctx_to_pb
 
 TOKENS = make_tokens(96)  # three blocks of 32 (the sidecar's block size)
 

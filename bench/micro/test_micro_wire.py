@@ -18,11 +18,11 @@ from kvstore.api import LoadStream
 from kvstore.client_arenas import ArenaPool
 from kvstore.client_stream import RemoteLoadStream
 from kvstore.model import ModelSpec
+from kvstore.rpc.messages import ctx_from_pb, ctx_to_pb, tokens_from_pb
 from kvstore.server.chunks import ChunkWriter
 from kvstore.server.config import ServerConfig
 from kvstore.server.servicer import _CHUNKS_PER_MESSAGE
 from kvstore.values import LoadedChunk
-from kvstore.wire import ctx_from_pb, ctx_to_pb, tokens_from_pb
 
 MODEL = ModelSpec("micro-smollm2", num_layers=30, num_kv_heads=3, head_dim=64)
 PREFIX_TOKENS = 2048

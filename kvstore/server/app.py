@@ -22,12 +22,12 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.config import StoreConfig
 from kvstore.load.buffers import keep_large_buffers
+from kvstore.rpc.channel import channel_options
 from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
 from kvstore.store import TieredStore
-from kvstore.transport import channel_options
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.errors import ArenaLimitError, NotFoundError, PermissionDeniedError
-from kvstore.shm import ArenaRef, ServerArena, process_alive
+from kvstore.rpc.shm import ArenaRef, ServerArena, process_alive
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from kvstore.api import LoadStream
 from kvstore.errors import InvalidInputError
 from kvstore.load.assemble import Array, Copy, run_copies
 from kvstore.model import ModelSpec
+from kvstore.rpc.messages import kv_from_bytes
+from kvstore.rpc.shm import ServerArena, dense_view
 from kvstore.server.batch_wire import encode_batch
-from kvstore.shm import ServerArena, dense_view
 from kvstore.values import LoadedChunk
-from kvstore.wire import kv_from_bytes
 
 
 class ChunkWriter:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import InvalidInputError
-from kvstore.transport import is_loopback
+from kvstore.rpc.channel import is_loopback
 
 
 @dataclass(frozen=True)

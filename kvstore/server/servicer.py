@@ -23,6 +23,9 @@ from kvstore.api import Lease, LoadStream
 from kvstore.errors import ArenaLimitError, InvalidInputError, LimitExceededError, NotFoundError
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
+from kvstore.rpc.messages import budget_from_fields, ctx_from_pb, stats_to_pb
+from kvstore.rpc.shm import ServerArena
+from kvstore.rpc.status import status_of
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.chunks import ChunkWriter, receive_slices
@@ -37,12 +40,9 @@ from kvstore.server.limits import (
     tokens_array,
 )
 from kvstore.server.metrics import Metrics
-from kvstore.server.status import status_of
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
-from kvstore.shm import ServerArena
 from kvstore.store import TieredStore
 from kvstore.values import LookupResult
-from kvstore.wire import budget_from_fields, ctx_from_pb, stats_to_pb
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
 _CHUNKS_PER_MESSAGE = 16
@@ -346,7 +346,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
 
 class _Guard:
-    """Maps any error raised inside to a status (kvstore.server.status), then aborts."""
+    """Maps any error raised inside to a status (kvstore.rpc.status), then aborts."""
 
     def __init__(self, context: Any) -> None:
         self._context = context

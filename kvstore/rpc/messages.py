@@ -2,7 +2,7 @@
 
 The one place that knows both worlds: the servicer and the client call these and
 nothing else touches message fields by hand. Errors map to status codes in
-kvstore/server/status.py.
+kvstore/rpc/status.py.
 """
 
 from __future__ import annotations

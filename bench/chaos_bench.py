@@ -31,7 +31,7 @@ import numpy as np
 from bench import chaos_faults as faults
 from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
 from bench.sidecar import Sidecar
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.rpc import shm
 

@@ -144,7 +144,7 @@ def start_client(address: str, seed: int) -> subprocess.Popen[str]:
 
 
 def _client_loop(address: str, seed: int) -> None:
-    from kvstore.client import KVClient
+    from kvstore.client.kvclient import KVClient
 
     with KVClient(address, use_shm=True, timeout_s=10) as client:
         print("ready", flush=True)

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench import grpc_floor
 from bench.sidecar import Sidecar
 from bench.store_bench import SMOLLM2_SHAPE
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.load.assemble import place_chunks
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.rpc.channel import channel_options

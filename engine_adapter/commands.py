@@ -342,7 +342,7 @@ def _open_store(args: argparse.Namespace) -> Any:
     if getattr(args, "no_store", False):
         return None
     if args.store:
-        from kvstore.client import KVClient
+        from kvstore.client.kvclient import KVClient
 
         return KVClient(args.store, token=args.token)
     from engine_adapter.model import cache_dir

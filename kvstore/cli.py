@@ -164,7 +164,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     if args.target:
-        from kvstore.client import KVClient
+        from kvstore.client.kvclient import KVClient
 
         with KVClient(args.target, token=args.token) as client:
             stats = client.stats()

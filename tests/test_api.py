@@ -12,14 +12,14 @@ from conftest import TINY, make_kv, make_tokens
 
 from bench.sidecar import Sidecar
 from kvstore.api import LoadStream, PrefixStore, StoreInfo
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
 
 
 def test_the_thin_client_imports_no_store_no_lmdb_no_redis() -> None:
     code = (
-        "import sys, kvstore.client, kvstore.api;"
+        "import sys, kvstore.client.kvclient, kvstore.api;"
         "bad = [m for m in ('kvstore.store', 'kvstore.index.store_index', 'kvstore.load.read',"
         " 'kvstore.block_writer', 'lmdb', 'redis', 'torch')"
         " if m in sys.modules]; print(bad)"

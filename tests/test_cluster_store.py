@@ -14,7 +14,7 @@ from conftest import TINY, make_kv, make_tokens
 
 from bench.sidecar import Sidecar
 from kvstore.api import PrefixStore
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec

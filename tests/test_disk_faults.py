@@ -26,7 +26,7 @@ from conftest import kvsieve as run_kvsieve
 from conftest import make_kv, make_tokens
 
 from bench.sidecar import Sidecar, free_port
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import DamagedStoreError, RpcFailedError, StorageUnavailableError, StoreFullError
 from kvstore.fsck import fsck

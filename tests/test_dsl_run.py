@@ -182,7 +182,7 @@ def test_engine_server_streams_events_and_stops_on_cancel(tmp_path: Path) -> Non
     from bench.sidecar import Sidecar, free_port
     from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
     from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
-    from kvstore.client import KVClient
+    from kvstore.client.kvclient import KVClient
 
     sidecar = Sidecar(tmp_path / "data").start()
     listen = f"127.0.0.1:{free_port()}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.sidecar import Sidecar
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.store import TieredStore
 

@@ -16,7 +16,7 @@ from conftest import ServerInThread, kvsieve
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
 from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.server.config import ServerConfig
 
 SYSTEM_TEXT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -18,7 +18,7 @@ from hostile import auth_sidecar, raw_stub, rss_bytes, wait_until
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import Lease
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.errors import LimitExceededError, StoreFullError
 from kvstore.model import ModelSpec
 from kvstore.rpc.messages import ctx_to_pb

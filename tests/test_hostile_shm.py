@@ -24,7 +24,7 @@ from hostile import auth_sidecar, bearer, code_of, raw_stub, wait_until
 
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.errors import ArenaLimitError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec

@@ -263,8 +263,8 @@ def test_layered_blocks_travel_through_the_remote_tier(tmp_path: Path, redis_url
 
 
 def test_both_stores_satisfy_the_protocol() -> None:
-    from kvstore.client import KVClient
-    from kvstore.client_layers import EmptyLayeredLoad
+    from kvstore.client.kvclient import KVClient
+    from kvstore.client.layer_by_layer import EmptyLayeredLoad
 
     with KVClient("127.0.0.1:9", use_shm=False) as client:  # no call is made
         assert isinstance(client, PrefixStore)
@@ -335,7 +335,7 @@ def test_importance_records_are_written_as_before_and_bad_layered_records_refuse
 
 @pytest.mark.parametrize("use_shm", [False, True])
 def test_sidecar_serves_layered_blocks(tmp_path: Path, use_shm: bool) -> None:
-    from kvstore.client import KVClient
+    from kvstore.client.kvclient import KVClient
     from kvstore.server.app import start
     from kvstore.server.config import ServerConfig
     from tests.conftest import ServerInThread

@@ -22,7 +22,7 @@ from bench.sidecar import Sidecar
 from importance.lowbit import dequantize, quantize
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LayeredLoad
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.errors import InvalidInputError, StoreFullError
 from kvstore.rpc.messages import ctx_to_pb
 

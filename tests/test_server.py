@@ -17,7 +17,7 @@ from conftest import TINY, make_kv, make_tokens
 from bench.sidecar import Sidecar, free_port
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.errors import PermissionDeniedError, RpcFailedError, UnauthenticatedError
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec

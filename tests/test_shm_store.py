@@ -21,7 +21,7 @@ from hostile import auth_sidecar, bearer, code_of, raw_stub
 
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.model import ModelSpec
 from kvstore.rpc import shm
 from kvstore.rpc.messages import ctx_to_pb

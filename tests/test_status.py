@@ -15,7 +15,7 @@ from conftest import TINY, make_kv, make_tokens
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     InvalidInputError,

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 
 from kvstore.api import PrefixStore
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, NotFoundError
 from kvstore.store import TieredStore

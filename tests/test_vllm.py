@@ -34,7 +34,7 @@ from conftest import corrupt_chunk
 from bench.sidecar import Sidecar
 from bench.texts import token_windows
 from engine_adapter.vllm.driver import DriverProcess
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec

@@ -246,7 +246,7 @@ def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
 
 def test_worker_reports_every_block_of_a_failed_load(caplog: pytest.LogCaptureFixture) -> None:
     from bench.sidecar import free_port
-    from kvstore.client import KVClient
+    from kvstore.client.kvclient import KVClient
 
     client = KVClient(f"127.0.0.1:{free_port()}", timeout_s=2)  # nothing listens there
     worker = _worker(client, _cache())

@@ -16,7 +16,7 @@ from conftest import TINY, make_kv, make_tokens
 from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 from kvstore.rpc.messages import ctx_to_pb
 
 TOKENS = make_tokens(96)  # three blocks of 32 (the sidecar's block size)

@@ -15,8 +15,8 @@ import pytest
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LoadStream
-from kvstore.client_arenas import ArenaPool
-from kvstore.client_stream import RemoteLoadStream
+from kvstore.client.arenas import ArenaPool
+from kvstore.client.stream import RemoteLoadStream
 from kvstore.model import ModelSpec
 from kvstore.rpc.messages import ctx_from_pb, ctx_to_pb, tokens_from_pb
 from kvstore.server.chunks import ChunkWriter

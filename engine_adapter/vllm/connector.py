@@ -27,7 +27,7 @@ from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import RequestTracker, ScheduledRequest, StepPlan
 from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.worker import WorkerSide
-from kvstore.client import KVClient
+from kvstore.client.kvclient import KVClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

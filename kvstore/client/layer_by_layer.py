@@ -20,7 +20,7 @@ import numpy as np
 from importance.lowbit import LowBitKeys, dequantize, unpack_codes
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LayerSlice
-from kvstore.client_stream import domain_error
+from kvstore.client.stream import domain_error
 from kvstore.errors import InvalidInputError, StorageUnavailableError
 from kvstore.model import ModelSpec
 from kvstore.values import check_layer

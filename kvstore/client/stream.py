@@ -1,7 +1,7 @@
 """RemoteLoadStream: the client's side of one Load call (kvstore.api.LoadStream).
 
 Chunks arrive inline or as descriptors into the client's shared-memory arena
-(kvstore/client_arenas.py); the stream hands the arena back when it closes.
+(kvstore/client/arenas.py); the stream hands the arena back when it closes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.client_arenas import ArenaPool, ClientArena, gather_by_position, increasing
+from kvstore.client.arenas import ArenaPool, ClientArena, gather_by_position, increasing
 from kvstore.errors import KVSieveError
 from kvstore.load.stream import gather_chunks
 from kvstore.model import ModelSpec

@@ -3,7 +3,7 @@
 It implements `kvstore.api.PrefixStore` (the contract is documented there) like the
 embedded `TieredStore`, so callers switch between the two by configuration. It
 imports neither the store nor its tiers (no lmdb, no redis). Co-located with the
-server, loads arrive through shared memory (kvstore/client_arenas.py).
+server, loads arrive through shared memory (kvstore/client/arenas.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.api import Lease, StoreInfo, Tokens
 from kvstore.budget import Budget, resolve_budget
-from kvstore.client_arenas import ArenaPool, ClientArena
-from kvstore.client_layers import EmptyLayeredLoad, RemoteLayeredLoad
-from kvstore.client_stream import RemoteLoadStream, domain_error
+from kvstore.client.arenas import ArenaPool, ClientArena
+from kvstore.client.layer_by_layer import EmptyLayeredLoad, RemoteLayeredLoad
+from kvstore.client.stream import RemoteLoadStream, domain_error
 from kvstore.errors import NotFoundError, RpcFailedError
 from kvstore.keys import as_token_array, validate_namespace
 from kvstore.model import ModelSpec
@@ -180,7 +180,7 @@ class KVClient:
     def open_layers(
         self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
     ) -> RemoteLayeredLoad | EmptyLayeredLoad:
-        """One LoadLayers stream (kvstore/client_layers.py); matched 0 from a server without it."""
+        """One LoadLayers stream (kvstore/client/layer_by_layer.py); matched 0 from a server without it."""
         toks = _tokens(tokens)
         request = pb.LayersOpen(ctx=_ctx(model, namespace), tokens_u32le=toks.astype("<u4").tobytes())
 

@@ -17,7 +17,7 @@ from typing import Any
 from bench.texts import documents
 from engine_adapter.sampling import Sampling
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -23,7 +23,7 @@ from bench.cache import make_cold
 from bench.store_bench import SMOLLM2_SHAPE
 from kvstore.config import StoreConfig
 from kvstore.load.buffers import keep_large_buffers
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 MODEL = SMOLLM2_SHAPE
 LAYOUTS = ("importance", "layered")

@@ -34,7 +34,7 @@ from importance.scorers import (
     SinkRecentScorer,
 )
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 BUDGETS = (0.1, 0.25, 0.5)
 SCORERS: tuple[Scorer, ...] = (

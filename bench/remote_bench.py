@@ -27,7 +27,7 @@ from bench.redisd import RedisNode
 from bench.store_bench import SMOLLM2_SHAPE
 from kvstore.config import StoreConfig
 from kvstore.load.buffers import keep_large_buffers
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 MODEL = SMOLLM2_SHAPE
 

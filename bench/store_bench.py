@@ -22,7 +22,7 @@ from kvstore.config import StoreConfig
 from kvstore.format.chunk import ChunkId, decode_chunk, encode_chunk
 from kvstore.load.assemble import place_chunks
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 SMOLLM2_SHAPE = ModelSpec("bench-smollm2-135m-shape", num_layers=30, num_kv_heads=3, head_dim=64)
 TINY_SHAPE = ModelSpec("bench-tiny-shape", num_layers=1, num_kv_heads=1, head_dim=8)

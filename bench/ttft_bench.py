@@ -27,7 +27,7 @@ import torch
 from bench.cache import cold_seq_read_mb_s, make_cold
 from bench.texts import token_windows
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 LENGTHS = (512, 1024, 2048)
 QUESTION_TOKENS = 32

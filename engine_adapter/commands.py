@@ -347,7 +347,7 @@ def _open_store(args: argparse.Namespace) -> Any:
         return KVClient(args.store, token=args.token)
     from engine_adapter.model import cache_dir
     from kvstore.config import StoreConfig
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
     data_dir = args.data_dir or build_config(StoreConfig).data_dir or cache_dir() / "data"
     return TieredStore(build_config(StoreConfig, overrides={"data_dir": data_dir}))

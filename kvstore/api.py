@@ -1,6 +1,6 @@
 """The store interface: `PrefixStore` and its `LoadStream`, with their typed values.
 
-Two implementations: `kvstore.store.TieredStore` (embedded, in this process) and
+Two implementations: `kvstore.store.tiered.TieredStore` (embedded, in this process) and
 `kvstore.client.kvclient.KVClient` (a sidecar over gRPC). The engine, the vLLM connector,
 the DSL, tests and benchmarks hold a `PrefixStore` and switch between the two by
 configuration. The docstrings here are the contract; the implementations do not

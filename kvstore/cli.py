@@ -169,7 +169,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         with KVClient(args.target, token=args.token) as client:
             stats = client.stats()
     else:
-        from kvstore.store import TieredStore
+        from kvstore.store.tiered import TieredStore
 
         if not store_data_file(args.data_dir).exists():
             raise FileNotFoundError(f"no kvsieve store under {args.data_dir}")

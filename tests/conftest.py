@@ -18,7 +18,7 @@ import pytest
 from bench.sidecar import Sidecar
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 TINY = ModelSpec("test-tiny", num_layers=2, num_kv_heads=2, head_dim=4)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 MODEL = ModelSpec("crash-test", num_layers=8, num_kv_heads=2, head_dim=64)
 CONFIG_KW = {"block_tokens": 64, "chunk_tokens": 16}

@@ -14,14 +14,14 @@ from bench.sidecar import Sidecar
 from kvstore.api import LoadStream, PrefixStore, StoreInfo
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 def test_the_thin_client_imports_no_store_no_lmdb_no_redis() -> None:
     code = (
         "import sys, kvstore.client.kvclient, kvstore.api;"
-        "bad = [m for m in ('kvstore.store', 'kvstore.index.store_index', 'kvstore.load.read',"
-        " 'kvstore.block_writer', 'lmdb', 'redis', 'torch')"
+        "bad = [m for m in ('kvstore.store.tiered', 'kvstore.index.store_index', 'kvstore.load.read',"
+        " 'kvstore.store.write', 'lmdb', 'redis', 'torch')"
         " if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -31,7 +31,7 @@ def test_the_thin_client_imports_no_store_no_lmdb_no_redis() -> None:
 def test_the_api_module_imports_nothing_heavy() -> None:
     code = (
         "import sys, kvstore.api;"
-        "print([m for m in ('grpc', 'lmdb', 'redis', 'torch', 'kvstore.store') if m in sys.modules])"
+        "print([m for m in ('grpc', 'lmdb', 'redis', 'torch', 'kvstore.store.tiered') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -15,7 +15,7 @@ from importance.layout import budget_to_tokens, rank_chunks, select_by_coverage,
 from kvstore.budget import AutoBudget, parse_budget
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 CHUNK = 8
 BLOCK = 32

@@ -22,7 +22,7 @@ from kvstore.errors import InvalidInputError
 from kvstore.relayout import relayout
 from kvstore.rpc.messages import ctx_to_pb
 from kvstore.server.config import ServerConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 BUDGETS: list[Any] = [0.1, 0.25, 0.5, 1.0, "auto", AutoBudget(0.5, 0.2, 0.6)]
 

@@ -18,7 +18,7 @@ from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.remote.breaker import BreakerState, CircuitBreaker
 from kvstore.values import DEFAULT_NAMESPACE
 

@@ -15,7 +15,7 @@ from crash_writer import CONFIG_KW, MODEL, SHARED, prompt
 
 from kvstore.config import StoreConfig
 from kvstore.fsck import fsck
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 ROUNDS = 20
 

@@ -32,7 +32,7 @@ from kvstore.errors import DamagedStoreError, RpcFailedError, StorageUnavailable
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
 from kvstore.rpc.status import status_for
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.disk.datafile import storage_error
 
 WIDE = ModelSpec("disk-test", num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB per 32-token block

@@ -13,7 +13,7 @@ import pytest
 from engine_adapter.dsl import Limits, ProgramError, plan, run_program
 from engine_adapter.dsl.run import ProgramRun
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

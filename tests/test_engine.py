@@ -14,7 +14,7 @@ import torch
 from bench.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from conftest import corrupt_chunk, kvsieve, make_kv, make_tokens
 from kvstore.config import StoreConfig
 from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:

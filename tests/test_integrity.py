@@ -21,7 +21,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.fsck import fsck
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 PROMPT = make_tokens(96)  # three blocks of 32
 OTHER = make_tokens(64, seed=5)  # two blocks, untouched

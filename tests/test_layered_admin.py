@@ -13,7 +13,7 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.fsck import fsck
 from kvstore.relayout import FAULT_ENV, relayout
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from tests.conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
 
 N, PROMPTS = 96, 4

@@ -23,7 +23,7 @@ from kvstore.api import Tokens
 from kvstore.budget import AutoBudget
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.values import DEFAULT_NAMESPACE
 
 pytestmark = [pytest.mark.model]

@@ -17,7 +17,7 @@ from bench.texts import token_windows
 from engine_adapter.array_layers import ArrayLayers
 from engine_adapter.layered import layered_prefill
 from kvstore.config import StoreConfig
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 pytestmark = [
     pytest.mark.model,

@@ -21,7 +21,7 @@ from kvstore.errors import ChecksumError, InvalidInputError
 from kvstore.format.block_meta import BlockMeta, identity_error
 from kvstore.format.key_summary import summary_record_bytes
 from kvstore.format.layer_record import header_bytes
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from tests.conftest import TINY, corrupt_chunk, make_kv, make_tokens
 
 B, C = 32, 8  # block tokens; tokens per per-layer chunk

@@ -256,7 +256,11 @@ FORBIDDEN = {
         "kvstore.bad -> engine_adapter.engine",
     ),
     "import_module": ("kvstore/bad.py", IL + 'importlib.import_module("bench.x_bench")\n', "-> bench"),
-    "__import__": ("radix/bad.py", '__import__("kvstore.store")\n', "radix (layer 1) may not import kvstore"),
+    "__import__": (
+        "radix/bad.py",
+        '__import__("kvstore.store.tiered")\n',
+        "radix (layer 1) may not import kvstore",
+    ),
     "constant name": (
         "kvstore/bad.py",
         IL + 'M = "engine_adapter"\nimportlib.import_module(M)\n',

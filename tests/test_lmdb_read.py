@@ -15,7 +15,7 @@ from conftest import make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.disk.pread import HintThread, MapReader, find_mapping
 
 # 2 KiB per token: a chunk of 8 tokens is 16 KiB, stored in LMDB overflow pages.

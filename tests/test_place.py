@@ -20,7 +20,7 @@ from kvstore.load import assemble as place
 from kvstore.load.assemble import place_chunks
 from kvstore.load.stream import gather_chunks
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.values import LoadedChunk
 
 # 2 KiB per token, so 4,096 tokens (8 MiB) take the two-thread path.

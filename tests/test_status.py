@@ -31,7 +31,7 @@ from kvstore.rpc.status import STATUS_TABLE, error_for, status_for, status_of
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.values import LookupResult
 
 

@@ -11,7 +11,7 @@ from conftest import corrupt_chunk, make_kv, make_tokens
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, NotFoundError, StoreFullError
 from kvstore.model import ModelSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 def test_store_then_load_is_bit_exact(store: TieredStore, tiny: ModelSpec) -> None:

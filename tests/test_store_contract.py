@@ -15,7 +15,7 @@ from kvstore.api import PrefixStore
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, NotFoundError
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 @pytest.fixture(params=["embedded", "grpc", "grpc-shm"])

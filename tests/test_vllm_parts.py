@@ -228,7 +228,7 @@ def _worker(store: object, layers: list[torch.Tensor]) -> WorkerSide:
 
 def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
     from kvstore.config import StoreConfig
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
     config = StoreConfig(data_dir=tmp_path / "d", block_tokens=16, chunk_tokens=8, memory_bytes=1 << 20)
     tokens = tuple(range(1, 41))
@@ -264,7 +264,7 @@ def test_short_load_fails_the_rest_warns_and_skips_the_steps_saves(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from kvstore.config import StoreConfig
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
     config = StoreConfig(data_dir=tmp_path / "d", block_tokens=16, chunk_tokens=8, memory_bytes=1 << 20)
     tokens = tuple(range(1, 65))

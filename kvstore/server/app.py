@@ -27,7 +27,7 @@ from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 class StoreCollector:

@@ -41,7 +41,7 @@ from kvstore.server.limits import (
 )
 from kvstore.server.metrics import Metrics
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.values import LookupResult
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.

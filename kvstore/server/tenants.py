@@ -13,7 +13,7 @@ from collections import Counter
 
 from kvstore.keys import namespace_digest
 from kvstore.stats import StoreStats, TierUsage
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 class TenantCounters:

@@ -2,7 +2,7 @@
 
 A thin composition: `StoreIndex` (kvstore/index/store_index.py) keeps the bookkeeping (radix
 tree, leases, eviction of every local tier), `plan_load` (kvstore/load/plan.py)
-chooses the chunks a budget reads, `BlockWriter` (kvstore/block_writer.py) encodes
+chooses the chunks a budget reads, `BlockWriter` (kvstore/store/write.py) encodes
 and writes new blocks and `BlockReader` (kvstore/load/read.py) reads, verifies
 and promotes them. The index lists a block only after its data is
 durable in the slowest local tier, so a lookup never promises data that a crash
@@ -23,7 +23,6 @@ import numpy as np
 from importance.history import accumulate, decay_factor
 from importance.layout import DEFAULT_MIN_CHANGE, layout_change
 from kvstore.api import Lease, StoreInfo, Tokens
-from kvstore.block_writer import BlockWriter
 from kvstore.budget import Budget, resolve_budget
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
@@ -38,6 +37,7 @@ from kvstore.load.read import BlockReader
 from kvstore.load.stream import LocalLoadStream
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters, StoreStats
+from kvstore.store.write import BlockWriter
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 from kvstore.tiers.disk.lock import DataDirLock

@@ -127,7 +127,7 @@ def _fsck_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _relayout_flags(p: argparse.ArgumentParser) -> None:
-    from kvstore.relayout import relayout
+    from kvstore.offline.relayout import relayout
 
     min_change = parameter_default(relayout, "min_change")
     fraction = parameter_default(relayout, "fraction")
@@ -195,7 +195,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_fsck(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from kvstore.fsck import EXIT_CANNOT_RUN, fsck_isolated
+    from kvstore.offline.fsck import EXIT_CANNOT_RUN, fsck_isolated
 
     try:
         report = fsck_isolated(
@@ -228,7 +228,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
 def _cmd_relayout(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from kvstore.relayout import relayout
+    from kvstore.offline.relayout import relayout
 
     show = sys.stderr.isatty() and not args.json
     report = relayout(

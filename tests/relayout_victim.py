@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from kvstore.format.block_meta import BlockMeta
-from kvstore.relayout import relayout
+from kvstore.offline.relayout import relayout
 from kvstore.tiers.disk.lmdb import LmdbTier
 
 _drop_layout = LmdbTier.drop_layout

@@ -19,7 +19,7 @@ from kvstore.budget import AutoBudget
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
-from kvstore.relayout import relayout
+from kvstore.offline.relayout import relayout
 from kvstore.rpc.messages import ctx_to_pb
 from kvstore.server.config import ServerConfig
 from kvstore.store.tiered import TieredStore

@@ -14,7 +14,7 @@ import pytest
 from crash_writer import CONFIG_KW, MODEL, SHARED, prompt
 
 from kvstore.config import StoreConfig
-from kvstore.fsck import fsck
+from kvstore.offline.fsck import fsck
 from kvstore.store.tiered import TieredStore
 
 ROUNDS = 20

@@ -29,8 +29,8 @@ from bench.sidecar import Sidecar, free_port
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import DamagedStoreError, RpcFailedError, StorageUnavailableError, StoreFullError
-from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
+from kvstore.offline.fsck import fsck
 from kvstore.rpc.status import status_for
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.disk.datafile import storage_error
@@ -122,7 +122,7 @@ def test_value_pointing_past_the_end_is_a_sigbus_for_lmdb_but_not_for_fsck(tmp_p
         at = image.find(first_chunk, at + 1)
     data_file.write_bytes(bytes(image))
     in_process = subprocess.run(
-        [sys.executable, "-c", f"from kvstore.fsck import fsck; fsck({str(tmp_path / 'data')!r})"],
+        [sys.executable, "-c", f"from kvstore.offline.fsck import fsck; fsck({str(tmp_path / 'data')!r})"],
         capture_output=True, timeout=60,
     )  # fmt: skip
     assert in_process.returncode == -signal.SIGBUS  # what an unisolated check would do

@@ -10,8 +10,8 @@ import numpy as np
 from conftest import corrupt_chunk, kvsieve, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
-from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
+from kvstore.offline.fsck import fsck
 from kvstore.store.tiered import TieredStore
 
 

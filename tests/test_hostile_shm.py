@@ -26,8 +26,8 @@ from bench.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client.kvclient import KVClient
 from kvstore.errors import ArenaLimitError
-from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
+from kvstore.offline.fsck import fsck
 from kvstore.rpc import shm
 from kvstore.rpc.messages import ctx_to_pb
 from kvstore.server.arenas import ArenaCache, Owner

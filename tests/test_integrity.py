@@ -20,7 +20,7 @@ from conftest import TINY, kvsieve, make_kv, make_tokens
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.fsck import fsck
+from kvstore.offline.fsck import fsck
 from kvstore.store.tiered import TieredStore
 
 PROMPT = make_tokens(96)  # three blocks of 32

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.fsck import fsck
-from kvstore.relayout import FAULT_ENV, relayout
+from kvstore.offline.fsck import fsck
+from kvstore.offline.relayout import FAULT_ENV, relayout
 from kvstore.store.tiered import TieredStore
 from tests.conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
 

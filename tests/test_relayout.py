@@ -17,8 +17,8 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
-from kvstore.fsck import fsck
-from kvstore.relayout import FAULT_ENV, relayout
+from kvstore.offline.fsck import fsck
+from kvstore.offline.relayout import FAULT_ENV, relayout
 from kvstore.store.tiered import TieredStore
 
 CONFIG = {"block_tokens": 32, "chunk_tokens": 8}

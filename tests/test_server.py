@@ -19,8 +19,8 @@ from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.client.kvclient import KVClient
 from kvstore.errors import PermissionDeniedError, RpcFailedError, UnauthenticatedError
-from kvstore.fsck import fsck
 from kvstore.model import ModelSpec
+from kvstore.offline.fsck import fsck
 from kvstore.rpc import shm
 from kvstore.rpc.messages import ctx_to_pb
 

@@ -33,7 +33,7 @@ from kvstore.format.chunk import decode_chunk
 from kvstore.format.key_summary import decode_summary
 from kvstore.format.layer_record import decode_layer_record
 from kvstore.keys import ROOT_KEY, parse_chunk_key
-from kvstore.progress import progress_bar
+from kvstore.offline.progress import progress_bar
 from kvstore.tiers.disk.lmdb import LmdbTier
 from kvstore.tiers.disk.lock import DataDirLock
 

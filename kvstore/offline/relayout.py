@@ -36,7 +36,7 @@ from kvstore.format.block_meta import LAYERED, BlockMeta
 from kvstore.format.chunk import decode_chunk, encode_chunk
 from kvstore.format.layered_block import encode_layered
 from kvstore.keys import parse_chunk_key
-from kvstore.progress import progress_bar
+from kvstore.offline.progress import progress_bar
 from kvstore.tiers.disk.lmdb import LmdbTier
 from kvstore.tiers.disk.lock import DataDirLock
 

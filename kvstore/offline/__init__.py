@@ -1,0 +1,1 @@
+"""Offline jobs over a data directory no server holds: `fsck` (verify, repair) and `relayout`."""

@@ -166,7 +166,15 @@ class Chaos:
             self.server.start()
         except (RuntimeError, TimeoutError):
             self.tally.restarts_needing_fsck += 1
-            cmd = [sys.executable, "-m", "kvstore.cli", "fsck", "--data-dir", str(self.data_dir), "--repair"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvstore.cli",
+                "fsck",
+                "--data-dir",
+                str(self.data_dir),
+                "--repair",
+            ]
             subprocess.run(cmd, capture_output=True, timeout=120)
             try:
                 self.server.start()

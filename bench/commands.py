@@ -1,6 +1,6 @@
 """`kvsieve bench NAME`: every `bench/NAME_bench.py` is a benchmark, found by its file name.
 
-Contributed through the `kvsieve.commands` entry point (pyproject.toml); kvstore.cli
+Contributed through the `kvsieve.commands` entry point (pyproject.toml); kvstore.cli.main
 finds this module by name and never imports the package.
 """
 
@@ -11,7 +11,7 @@ import importlib
 import json
 from pathlib import Path
 
-from kvstore.cliflags import Subcommands, add_command
+from kvstore.cli.flags import Subcommands, add_command
 
 BENCH_DIR = Path(__file__).resolve().parent
 

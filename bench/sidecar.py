@@ -38,7 +38,7 @@ class Sidecar:
     def start(self) -> Sidecar:
         self.port = self.port or free_port()
         self.metrics_port = self.metrics_port or free_port()
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.address]
+        cmd = [sys.executable, "-m", "kvstore.cli.main", "serve", "--listen", self.address]
         cmd += [
             "--metrics-listen",
             f"127.0.0.1:{self.metrics_port}",

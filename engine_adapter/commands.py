@@ -1,6 +1,6 @@
 """The model's commands of `kvsieve`: generate, run and engine.
 
-Contributed through the `kvsieve.commands` entry point (pyproject.toml); kvstore.cli
+Contributed through the `kvsieve.commands` entry point (pyproject.toml); kvstore.cli.main
 finds this module by name and never imports the package. Each command's flags are
 built when that command is used, so the defaults come from the dataclasses that
 own them (`Sampling`, `Limits`, `ServerConfig`) without slowing `kvsieve --help`.
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.api import LoadStream
 from kvstore.budget import AutoBudget, parse_budget, resolve_budget
-from kvstore.cliflags import Subcommands, add_command, add_flags, build_from_flags_and_env, parameter_default
+from kvstore.cli.flags import Subcommands, add_command, add_flags, build_from_flags_and_env, parameter_default
+from kvstore.cli.settings import build_config
 from kvstore.errors import InvalidInputError, KVSieveError
 from kvstore.server.config import ServerConfig
-from kvstore.settings import build_config
 
 if TYPE_CHECKING:
     from engine_adapter.dsl.run import Event
@@ -316,7 +316,7 @@ def _engine_config(args: argparse.Namespace) -> ServerConfig:
     import dataclasses
     import tomllib
 
-    from kvstore.cliflags import overrides
+    from kvstore.cli.flags import overrides
 
     table: dict[str, Any] = {}
     if args.config is not None:

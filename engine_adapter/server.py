@@ -40,6 +40,7 @@ from kvstore.keys import validate_namespace
 from kvstore.rpc.channel import channel_options
 from kvstore.server.auth import Authorizer
 from kvstore.server.config import ServerConfig
+from kvstore.server.listen import bind
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 
@@ -166,15 +167,13 @@ class RunningEngine:
 
 async def start_engine(engine: Engine, config: ServerConfig) -> RunningEngine:
     """Check `config`, bind (TLS when configured) and start serving RunProgram."""
-    from kvstore.server.app import _bind  # the sidecar's own bind: same TLS handling
-
     check_engine_config(config)
     server = grpc.aio.server(
         options=channel_options(config.max_message_bytes),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, TenantScope(config.auth_tokens)), server)
-    address = _bind(server, config)
+    address = bind(server, config)
     await server.start()
     return RunningEngine(server, address)
 

@@ -56,7 +56,7 @@ def kvsieve(
 ) -> subprocess.CompletedProcess[str]:
     """`kvsieve ARGS` in a child of this Python (it inherits PYTHONPATH); `env` adds variables."""
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "kvstore.cli.main", *args], capture_output=True, text=True, timeout=timeout,
         input=stdin, env=None if env is None else {**os.environ, **env},
     )  # fmt: skip
 

@@ -78,7 +78,7 @@ PEER_KEYS = {
     ],
 )
 def test_benchmark_prints_its_published_keys(name: str) -> None:
-    cmd = [sys.executable, "-m", "kvstore.cli", "bench", name, "--json", "--quick"]
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "bench", name, "--json", "--quick"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout)

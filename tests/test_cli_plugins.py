@@ -19,7 +19,7 @@ PROGRAM = "program p() {\n  a = gen(max_tokens=2)\n  b = gen(max_tokens=2)\n  yi
 def test_a_command_declared_only_by_an_installed_entry_point_is_found(tmp_path: Path) -> None:
     """A distribution that kvsieve never names adds `hello` through the `kvsieve.commands` group."""
     (tmp_path / "hello_plugin.py").write_text(
-        "from kvstore.cliflags import add_command\n\n"
+        "from kvstore.cli.flags import add_command\n\n"
         "def register(commands):\n"
         "    add_command(commands, 'hello', lambda p: p.add_argument('who'), _hello, help='say hello')\n\n"
         "def _hello(args):\n    print('hello ' + args.who)\n    return 0\n"
@@ -37,7 +37,7 @@ def test_a_command_declared_only_by_an_installed_entry_point_is_found(tmp_path: 
 
 
 def test_help_imports_no_plugin_dependency() -> None:
-    code = "import sys, kvstore.cli as c; c._parser(); print({'torch', 'grpc'} & set(sys.modules))"
+    code = "import sys, kvstore.cli.main as c; c._parser(); print({'torch', 'grpc'} & set(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "set()"
 
@@ -45,7 +45,7 @@ def test_help_imports_no_plugin_dependency() -> None:
 def test_generate_defaults_are_the_dataclass_defaults() -> None:
     from engine_adapter.engine import Engine
     from engine_adapter.sampling import Sampling
-    from kvstore.cli import _parser
+    from kvstore.cli.main import _parser
 
     args = _parser().parse_args(["generate", "question"])
     sampling = Sampling()

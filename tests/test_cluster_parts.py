@@ -166,7 +166,7 @@ def test_bad_remote_config_names_the_field(fields: dict[str, object], message: s
 
 
 def test_remote_nodes_from_a_comma_separated_string() -> None:
-    from kvstore.settings import build_config
+    from kvstore.cli.settings import build_config
 
     config = build_config(StoreConfig, env={"KVSIEVE_REMOTE_NODES": "10.0.0.1:7000, 10.0.0.2:7000"})
     assert config.remote_nodes == ("10.0.0.1:7000", "10.0.0.2:7000") and config.has_remote
@@ -189,7 +189,7 @@ def test_every_key_of_a_block_hashes_to_one_slot(redis_cluster: object) -> None:
 def test_the_documented_cluster_configuration_is_valid(tmp_path: Path) -> None:
     import re
 
-    from kvstore.settings import build_config
+    from kvstore.cli.settings import build_config
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "sidecar.md").read_text()
     block = next(b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if "remote_nodes" in b)

@@ -164,7 +164,7 @@ def test_run_command_prints_json_lines(tmp_path: Path) -> None:
     program = tmp_path / "hello.kvs"
     program.write_text(f'program hello(name) {{\n  {SYSTEM}\n  user "Say hello to {{name}}."\n'
                        '  a = gen(max_tokens=6)\n  yield a\n}')  # fmt: skip
-    cmd = [sys.executable, "-m", "kvstore.cli", "run", str(program), "--arg", "name=Ada", "--json",
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "run", str(program), "--arg", "name=Ada", "--json",
            "--data-dir", str(tmp_path / "data")]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -186,7 +186,7 @@ def test_engine_server_streams_events_and_stops_on_cancel(tmp_path: Path) -> Non
 
     sidecar = Sidecar(tmp_path / "data").start()
     listen = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "kvstore.cli", "engine", "--listen", listen, "--store", sidecar.address]
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "engine", "--listen", listen, "--store", sidecar.address]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         channel = grpc.insecure_channel(listen)
@@ -258,7 +258,15 @@ def test_run_command_reports_a_dead_store_in_one_line(tmp_path: Path) -> None:
 
     program = tmp_path / "hello.kvs"
     program.write_text(f'program hello() {{\n  {SYSTEM}\n  user "Hi"\n  a = gen(max_tokens=2)\n  yield a\n}}')
-    cmd = [sys.executable, "-m", "kvstore.cli", "run", str(program), "--store", f"127.0.0.1:{free_port()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.cli",
+        "run",
+        str(program),
+        "--store",
+        f"127.0.0.1:{free_port()}",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr

@@ -169,7 +169,7 @@ def test_sampling_seed_stop_and_max_tokens(lm) -> None:  # type: ignore[no-untyp
 
 
 def test_generate_command_reports_where_time_went(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "kvstore.cli", "generate", "Say hello.", "--max-tokens", "4", "-v",
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "generate", "Say hello.", "--max-tokens", "4", "-v",
            "--data-dir", str(tmp_path)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

@@ -167,7 +167,7 @@ def test_a_huge_lookup_does_not_stall_small_ones(tmp_path: Path) -> None:
 
 
 def test_metrics_refuse_a_non_loopback_address(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "serve", "--listen", "127.0.0.1:0",
            "--metrics-listen", "0.0.0.0:0", "--data-dir", str(tmp_path)]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "metrics_allow_remote" in result.stderr

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli.settings import build_config
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
-from kvstore.settings import build_config
 from tests.conftest import kvsieve
 
 

@@ -225,8 +225,8 @@ def test_the_table_covers_every_package_and_points_downward() -> None:
             assert other in units, f"{unit.name} names {other}, which has no row"
             assert units[other].layer < unit.layer, f"{unit.name} may import {other}, not below it"
     roots = [u for u in units.values() if u.composition_root]
-    assert [u.name for u in roots] == ["kvstore.cli"]
-    assert not [u.name for u in units.values() if "kvstore.cli" in u.may_import]  # nothing imports it
+    assert [u.name for u in roots] == ["kvstore.cli.main"]
+    assert not [u.name for u in units.values() if "kvstore.cli.main" in u.may_import]  # nothing imports it
 
 
 def test_the_composition_root_reaches_upper_layers_only_through_declared_plugins() -> None:
@@ -248,8 +248,8 @@ IL = "import importlib\n"
 FORBIDDEN = {
     "absolute": ("kvstore/bad.py", "import engine_adapter.engine\n", "kvstore.bad -> engine_adapter.engine"),
     "from": ("kvstore/bad.py", "from bench import sidecar\n", "kvstore.bad -> bench.sidecar"),
-    "relative to the root": ("kvstore/server/bad.py", "from ..cli import main\n", "-> kvstore.cli"),
-    "relative package": ("kvstore/server/bad.py", "from .. import cli\n", "-> kvstore.cli"),
+    "relative to the root": ("kvstore/server/bad.py", "from ..cli import main\n", "-> kvstore.cli.main"),
+    "relative package": ("kvstore/server/bad.py", "from .. import cli\n", "-> kvstore.cli.main"),
     "type checking": (
         "kvstore/bad.py",
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine_adapter.engine import Engine\n",
@@ -276,7 +276,11 @@ FORBIDDEN = {
     ),
     "third-party": ("radix/bad.py", "import torch\n", "radix may import only ['numpy']"),
     "banned third-party": ("bench/bad.py", "import transformers\n", "bench may not import transformers"),
-    "root beyond its list": ("kvstore/cli.py", "import engine_adapter.commands\n", "kvstore.cli (layer 5)"),
+    "root beyond its list": (
+        "kvstore/cli/main.py",
+        "import engine_adapter.commands\n",
+        "kvstore.cli.main (layer 5)",
+    ),
 }
 
 
@@ -307,7 +311,7 @@ def test_the_checker_passes_allowed_edges(tmp_path: Path) -> None:
     files = {
         "engine_adapter/ok.py": "import numpy\nfrom kvstore import store\nfrom . import engine\n",
         "bench/ok.py": IL + 'from engine_adapter.engine import x\nimportlib.import_module("radix")\n',
-        "kvstore/cli.py": "import importlib\nPLUGINS = {}\nimportlib.import_module(PLUGINS['a'])\n",
+        "kvstore/cli/main.py": "import importlib\nPLUGINS = {}\nimportlib.import_module(PLUGINS['a'])\n",
         "radix/ok.py": "import numpy as np\nimport os\n",
     }
     assert violations(_tree(tmp_path, files), layer_table()) == []

@@ -69,7 +69,7 @@ def test_relayout_rewrites_stale_blocks_and_reads_less(tmp_path: Path) -> None:
 def test_relayout_refuses_beside_a_live_store(tmp_path: Path) -> None:
     fill(tmp_path)
     with TieredStore(StoreConfig(data_dir=tmp_path, **CONFIG)):  # type: ignore[arg-type]
-        cmd = [sys.executable, "-m", "kvstore.cli", "relayout", "--data-dir", str(tmp_path)]
+        cmd = [sys.executable, "-m", "kvstore.cli.main", "relayout", "--data-dir", str(tmp_path)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "in use by a running kvsieve" in result.stderr
     result = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
@@ -84,7 +84,7 @@ def layout_versions(data_dir: Path) -> dict[bytes, int]:
 
 def test_relayout_killed_between_its_two_transactions(tmp_path: Path) -> None:
     prompts = fill(tmp_path)
-    cmd = [sys.executable, "-m", "kvstore.cli", "relayout", "--data-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "relayout", "--data-dir", str(tmp_path)]
     env = {**os.environ, FAULT_ENV: "relayout-between-transactions"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == -signal.SIGKILL  # it died at the fault point, mid-job

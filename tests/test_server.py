@@ -258,7 +258,7 @@ def test_stats_command_against_a_server(sidecar: Sidecar) -> None:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "kvstore.cli", "stats", "--target", sidecar.address, "--json"]
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "stats", "--target", sidecar.address, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
     figures = json.loads(out.stdout)
     assert "lmdb" in figures["tiers"] and "counters" in figures
@@ -298,7 +298,7 @@ def test_tls_serves_only_encrypted_clients(tmp_path: Path) -> None:
         check=True, capture_output=True,
     )  # fmt: skip
     address = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--metrics-listen", "",
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "serve", "--listen", address, "--metrics-listen", "",
            "--data-dir", str(tmp_path / "data"), "--tls-cert", str(cert), "--tls-key", str(key),
            "--block-tokens", "32", "--chunk-tokens", "8"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))

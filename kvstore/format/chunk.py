@@ -82,7 +82,7 @@ def encode_chunk(
     if len(positions) != num_tokens:
         raise InvalidInputError(f"positions has {len(positions)} entries for {num_tokens} tokens")
     raw = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
-    payload = _shuffle_compress(raw, kv.dtype.itemsize, zstd_level) if codec == "shuffle-zstd" else raw.data
+    payload = shuffle_compress(raw, kv.dtype.itemsize, zstd_level) if codec == "shuffle-zstd" else raw.data
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, CODEC_IDS[codec], DTYPE_IDS[dtype],
         chunk_id.fingerprint, chunk_id.namespace, chunk_id.block_key,
@@ -133,7 +133,7 @@ def decode_chunk(
     payload = body[pos_end:]
     codec = _CODEC_NAMES[codec_id]
     if codec == "shuffle-zstd":
-        raw = _decompress_unshuffle(payload, dtype.itemsize)
+        raw = decompress_unshuffle(payload, dtype.itemsize)
     else:
         raw = np.frombuffer(payload, dtype=np.uint8)
     kv = raw.view(dtype).reshape(layers, 2, heads, num_tokens, head_dim)
@@ -152,14 +152,14 @@ def read_chunk_id(data: bytes | memoryview) -> ChunkId:
     return ChunkId(fields[4], fields[5], fields[6], fields[7], fields[8])
 
 
-def _shuffle_compress(raw: np.ndarray[Any, Any], itemsize: int, level: int) -> bytes:
+def shuffle_compress(raw: np.ndarray[Any, Any], itemsize: int, level: int) -> bytes:
     import zstandard
 
     planes = raw.reshape(-1, itemsize).T.copy()
     return zstandard.ZstdCompressor(level=level).compress(planes.data)
 
 
-def _decompress_unshuffle(payload: memoryview, itemsize: int) -> np.ndarray[Any, Any]:
+def decompress_unshuffle(payload: memoryview, itemsize: int) -> np.ndarray[Any, Any]:
     import zstandard
 
     try:

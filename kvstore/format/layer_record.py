@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.format.chunk import CODEC_IDS, ChunkId, _decompress_unshuffle, _shuffle_compress
+from kvstore.format.chunk import CODEC_IDS, ChunkId, decompress_unshuffle, shuffle_compress
 from kvstore.model import DTYPE_IDS, numpy_dtype
 
 Array = np.ndarray[Any, Any]
@@ -110,7 +110,7 @@ def encode_layer_record(
     if codec == "raw":
         payloads: list[Any] = [flat[c].data for c in range(n)]
     else:
-        payloads = [_shuffle_compress(flat[c], kv.dtype.itemsize, zstd_level) for c in range(n)]
+        payloads = [shuffle_compress(flat[c], kv.dtype.itemsize, zstd_level) for c in range(n)]
     table = np.zeros(n, _ENTRY)
     lengths = np.array([len(p) if isinstance(p, bytes) else p.nbytes for p in payloads], np.int64)
     table["length"] = lengths
@@ -195,7 +195,7 @@ def decode_run(
         part = view[start : start + header.lengths[c]]
         if not trusted:
             _verify(header, part, start + base, [c])
-        out[i] = _decompress_unshuffle(part, header.dtype.itemsize).view(header.dtype).reshape(shape)
+        out[i] = decompress_unshuffle(part, header.dtype.itemsize).view(header.dtype).reshape(shape)
     return out
 
 

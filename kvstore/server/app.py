@@ -25,6 +25,7 @@ from kvstore.load.buffers import keep_large_buffers
 from kvstore.rpc.channel import channel_options
 from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
+from kvstore.server.listen import bind
 from kvstore.server.metrics import Metrics
 from kvstore.server.servicer import KVCacheServicer
 from kvstore.store.tiered import TieredStore
@@ -70,7 +71,7 @@ async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServe
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = _bind(server, config)
+    address = bind(server, config)
     await server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -114,21 +115,6 @@ class _CapturedHandlers:
         self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
     ) -> None:
         self.handlers = handlers
-
-
-def _bind(server: grpc.aio.Server, config: ServerConfig) -> str:
-    if config.tls_cert is not None and config.tls_key is not None:
-        credentials = grpc.ssl_server_credentials(
-            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
-        )
-        port = server.add_secure_port(config.listen, credentials)
-    else:
-        port = server.add_insecure_port(config.listen)
-    if config.listen.startswith("unix:"):
-        return config.listen
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}")
-    return f"{config.listen.rsplit(':', 1)[0]}:{port}"
 
 
 def _start_metrics(config: ServerConfig, metrics: Metrics) -> tuple[Any, str | None]:

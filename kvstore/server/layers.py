@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from importance.lowbit import LowBitKeys, pack_codes
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.api import LayeredLoad
 from kvstore.errors import InvalidInputError, LimitExceededError
 from kvstore.model import ModelSpec
+from kvstore.server.backend import LowBitLayers, SidecarStore
 from kvstore.server.limits import check_token_count
 
 Array = np.ndarray[Any, Any]
@@ -28,22 +28,8 @@ Array = np.ndarray[Any, Any]
 Authorise = Callable[[pb.RequestContext], tuple[ModelSpec, str, str | None]]
 
 
-class LowBitLayers(LayeredLoad, Protocol):
-    """A `LayeredLoad` that can also hand out its summaries undecoded (what the wire carries)."""
-
-    def lowbit_summary(self, layer: int) -> LowBitKeys:
-        """Layer `layer`'s summary over the matched prefix, as stored (codes, fp16 offset/step)."""
-        ...
-
-
-class LayersOpener(Protocol):
-    """The store side: `TieredStore.open_layers`."""
-
-    def open_layers(self, tokens: Array, *, model: ModelSpec, namespace: str) -> LowBitLayers: ...
-
-
 async def serve_layers(
-    store: LayersOpener,
+    store: SidecarStore,
     requests: AsyncIterator[pb.LayersRequest],
     authorise: Authorise,
     *,

@@ -13,13 +13,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore.store.tiered import TieredStore
+from kvstore.api import PrefixStore
 
 
 class StoreCollector:
     """Exposes the store's counters and tier usage as Prometheus metrics."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: PrefixStore) -> None:
         self._store = store
 
     def collect(self) -> Iterator[Any]:
@@ -80,7 +80,7 @@ def _remote_metrics(counters: dict[str, int]) -> Iterator[Any]:
 class Metrics:
     """Request-level metrics plus the store collector, in a registry of their own."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: PrefixStore) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
         self.load_seconds = Histogram(

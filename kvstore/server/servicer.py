@@ -28,6 +28,7 @@ from kvstore.rpc.shm import ServerArena
 from kvstore.rpc.status import status_of
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
+from kvstore.server.backend import SidecarStore
 from kvstore.server.chunks import ChunkWriter, receive_slices
 from kvstore.server.config import ServerConfig
 from kvstore.server.layers import serve_layers
@@ -41,7 +42,6 @@ from kvstore.server.limits import (
 )
 from kvstore.server.metrics import Metrics
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
-from kvstore.store.tiered import TieredStore
 from kvstore.values import LookupResult
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
@@ -53,9 +53,9 @@ _INLINE_LOOKUP_TOKENS = 4096
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
-    """Thin adapter from the wire contract to `TieredStore`."""
+    """Thin adapter from the wire contract to a `SidecarStore` (kvstore/server/backend.py)."""
 
-    def __init__(self, store: TieredStore, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, store: SidecarStore, config: ServerConfig, metrics: Metrics) -> None:
         self._store = store
         self._config = config
         self._metrics = metrics
@@ -329,14 +329,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _pin(self, tokens: Any, model: ModelSpec, namespace: str, ttl: float) -> Lease:
         lease = self._store.pin(self._tokens(tokens), model=model, namespace=namespace, ttl_s=ttl)
         try:
-            self.leases.admit(namespace, lease, self._store.index.lease_keys(lease.lease_id))
+            self.leases.admit(namespace, lease, self._store.lease_keys(lease.lease_id))
         except LimitExceededError:
             self._store.unpin(lease.lease_id)
             raise
         return lease
 
     def _block_bytes(self, key: bytes) -> int:
-        return self._store.index.block_bytes(key)
+        return self._store.block_bytes(key)
 
     def _guard(self, context: Any) -> _Guard:
         return _Guard(context)
@@ -374,8 +374,7 @@ class _Streaming:
         self._gauge.dec()
 
 
-def _pinned_quota(store: TieredStore, config: ServerConfig) -> int | None:
+def _pinned_quota(store: SidecarStore, config: ServerConfig) -> int | None:
     """Bytes one namespace may keep pinned: a share of the budget pins could exhaust."""
-    sc = store.config
-    budget = sc.disk_bytes if sc.lmdb_dir is not None else (None if store.durable else sc.memory_bytes)
+    budget = store.pinnable_bytes()
     return None if budget is None else int(budget * config.namespace_pinned_fraction)

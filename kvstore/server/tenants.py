@@ -12,8 +12,8 @@ import threading
 from collections import Counter
 
 from kvstore.keys import namespace_digest
+from kvstore.server.backend import SidecarStore
 from kvstore.stats import StoreStats, TierUsage
-from kvstore.store.tiered import TieredStore
 
 
 class TenantCounters:
@@ -37,19 +37,13 @@ class TenantCounters:
         return dict(out)
 
 
-def namespace_usage(store: TieredStore, namespaces: frozenset[str]) -> tuple[int, int]:
+def namespace_usage(store: SidecarStore, namespaces: frozenset[str]) -> tuple[int, int]:
     """(blocks, bytes) the index holds for `namespaces`. O(blocks in the store)."""
-    digests = {namespace_digest(ns) for ns in namespaces}
-    blocks = nbytes = 0
-    for node in store.tree.nodes():
-        if node.root[0] in digests:  # type: ignore[index]  # kvstore roots are (namespace, model)
-            blocks += 1
-            nbytes += node.nbytes
-    return blocks, nbytes
+    return store.namespace_usage({namespace_digest(ns) for ns in namespaces})
 
 
 def tenant_stats(
-    store: TieredStore, counters: TenantCounters, namespaces: frozenset[str], active_leases: int
+    store: SidecarStore, counters: TenantCounters, namespaces: frozenset[str], active_leases: int
 ) -> StoreStats:
     """The figures of `namespaces` only: their calls, blocks, bytes and leases.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +93,7 @@ class TieredStore:
         self.leases: LeaseTable = self.index.leases
         self.memory: MemoryTier = memory
         self.durable: list[Tier] = list(self.tiers.durable)
-        self.local_only = self.remote_link is None  # lookups never leave the process
+        self._local_only = self.remote_link is None  # lookups never leave the process
         self._write_lock = threading.Lock()
         self._closed = False
         # A restarted store is warm: list every block of the local disk tier.
@@ -229,6 +229,32 @@ class TieredStore:
                 tier.close()
             if self._lock is not None:
                 self._lock.release()
+
+    # -- what the sidecar asks (kvstore.server.backend.SidecarStore) ---------------
+
+    @property
+    def local_only(self) -> bool:
+        return self._local_only
+
+    def lease_keys(self, lease_id: str) -> tuple[bytes, ...]:
+        return self.index.lease_keys(lease_id)
+
+    def block_bytes(self, key: bytes) -> int:
+        return self.index.block_bytes(key)
+
+    def namespace_usage(self, namespace_digests: Set[bytes]) -> tuple[int, int]:
+        blocks = nbytes = 0
+        for node in self.tree.nodes():
+            if node.root[0] in namespace_digests:  # type: ignore[index]  # roots are (namespace, model)
+                blocks += 1
+                nbytes += node.nbytes
+        return blocks, nbytes
+
+    def pinnable_bytes(self) -> int | None:
+        config = self.config
+        if config.lmdb_dir is not None:
+            return config.disk_bytes
+        return None if self.durable else config.memory_bytes
 
     def __enter__(self) -> TieredStore:
         return self

@@ -3,9 +3,9 @@
 It builds kvstore's own commands (serve, stats, fsck, relayout) and adds those of
 other packages, found through the `kvsieve.commands` entry-point group: each entry
 names a module whose `register(commands)` adds commands with
-`kvstore.cliflags.add_command` (engine_adapter.commands: generate, run, engine;
-bench.commands: bench). kvstore never imports those packages; docs/architecture.md
-says why discovery also falls back to the `PLUGINS` list below.
+`kvstore.cli.flags.add_command` (engine_adapter.commands: generate, run, engine;
+bench.commands: bench). kvstore never imports those packages, and entry points are the
+one way it finds them (docs/architecture.md, "The command line").
 
 Every command's flags are built when it is used and its modules are imported by its
 handler, so `kvsieve --help` stays instant.
@@ -14,24 +14,30 @@ handler, so `kvsieve --help` stays instant.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from kvstore.cliflags import DeferredParser, Subcommands, add_command, add_flags, overrides, parameter_default
+from kvstore.cli.flags import (
+    DeferredParser,
+    Subcommands,
+    add_command,
+    add_flags,
+    overrides,
+    parameter_default,
+)
+from kvstore.cli.settings import build_config
 from kvstore.config import StoreConfig, store_data_file
 from kvstore.errors import KVSieveError
 from kvstore.server.config import ServerConfig
-from kvstore.settings import build_config
 
 ENTRY_POINT_GROUP = "kvsieve.commands"
-PLUGINS = {"engine_adapter": "engine_adapter.commands", "bench": "bench.commands"}
-"""The command plugins of this distribution, as pyproject.toml declares them in ENTRY_POINT_GROUP
-(tests/test_layering.py holds the two equal). Read only for names that the installed metadata
-lacks: an editable install keeps the entry points of the day it was installed."""
+MISSING_PLUGINS = (
+    "no command plugins are installed (entry-point group kvsieve.commands): generate, run, "
+    "engine and bench come from there. Reinstall kvsieve (pip install -e .) to write them."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,31 +55,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    registrars = plugin_registrars()
     parser = argparse.ArgumentParser(
         prog="kvsieve",
         description="Tiered KV-cache storage for LLM inference (memory -> LMDB disk -> Redis).",
+        epilog=None if registrars else MISSING_PLUGINS,
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=DeferredParser
     )
     register(commands)
-    for plugin in plugin_registrars().values():
+    for plugin in registrars.values():
         plugin(commands)
     return parser
 
 
 def plugin_registrars() -> dict[str, Callable[[Subcommands], None]]:
-    """The `register` function of every command plugin, by plugin name: PLUGINS' order, then others.
+    """The `register` function of every installed command plugin, by entry-point name, sorted.
 
-    Installed entry points win; PLUGINS fills in the names that the metadata lacks.
+    Entry points are read from the installed metadata, so a checkout installed before a
+    plugin was declared lacks it until reinstalled; `--help` then says so.
     """
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    registrars: dict[str, Callable[[Subcommands], None]] = {}
-    for name in [*PLUGINS, *sorted(set(found) - set(PLUGINS))]:
-        registrars[name] = (
-            found[name].load() if name in found else importlib.import_module(PLUGINS[name]).register
-        )
-    return registrars
+    return {name: found[name].load() for name in sorted(found)}
 
 
 def register(commands: Subcommands) -> None:

@@ -2,10 +2,10 @@
 
 Each field becomes `--field-name`; its help is the field's line under
 "Attributes:" in the class docstring. Unset flags stay None so that TOML files and
-environment variables underneath still apply (see kvstore.settings).
+environment variables underneath still apply (see kvstore.cli.settings).
 
 Also the small vocabulary that command plugins use to add their commands to
-`kvsieve` (`add_command`, `DeferredParser`; see kvstore.cli).
+`kvsieve` (`add_command`, `DeferredParser`; see kvstore.cli.main).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
+from kvstore.cli.settings import ENV_PREFIX, convert
 from kvstore.errors import InvalidInputError
-from kvstore.settings import ENV_PREFIX, convert
 
 T = TypeVar("T")
 
@@ -68,7 +68,7 @@ def add_flags(
 
 
 def overrides(args: argparse.Namespace, cls: type[Any]) -> dict[str, Any]:
-    """The flags of `cls` that were given, as raw values for kvstore.settings.build_config."""
+    """The flags of `cls` that were given, as raw values for kvstore.cli.settings.build_config."""
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(cls)
@@ -89,7 +89,7 @@ def build_from_flags_and_env(
 ) -> T:
     """`cls` from its defaults < `KVSIEVE_<FIELD>` variables < its flags (see `add_flags`).
 
-    Unlike kvstore.settings.build_config, a value that cannot be read, or that the
+    Unlike kvstore.cli.settings.build_config, a value that cannot be read, or that the
     dataclass (or `check(field, value)`, raising ValueError) refuses, is reported
     with the flag or variable it came from.
 
@@ -154,7 +154,7 @@ class DeferredParser(argparse.ArgumentParser):
 
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[DeferredParser]"
-"""What kvstore.cli hands to every command plugin: `add_subparsers(parser_class=DeferredParser)`."""
+"""What kvstore.cli.main hands to every command plugin: `add_subparsers(parser_class=DeferredParser)`."""
 
 
 def add_command(

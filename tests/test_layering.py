@@ -1,4 +1,5 @@
-"""Every import edge of every module follows the layer table of docs/architecture.md.
+"""Every import edge of every module follows the layer table of docs/architecture.md; kvstore's
+modules form no cycle; every name is imported from the module that defines it.
 
 The table is parsed from the page, so page and test cannot drift. Edges are read
 from the source: `import`, `from ... import` (to the submodule when it is one),
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvstore", "radix", "importance", "engine_adapter", "bench")
 HEAVY = {"torch", "transformers", "grpc", "lmdb", "redis", "accelerate"}
 DYNAMIC = {"import_module", "__import__", "find_spec"}
-ROOT_LIST = "PLUGINS"  # the one name through which the composition root may reach upper layers
+FACADES = ("kvstore", "kvstore.store", "kvstore.client")  # package __init__s that re-export their subtree
 
 
 class Unit(NamedTuple):
@@ -154,10 +155,6 @@ def _literal_name(call: ast.Call, constants: dict[str, str], package: str) -> st
     return name
 
 
-def _is_root_list(call_arg: ast.expr) -> bool:
-    return isinstance(call_arg, ast.Subscript) and getattr(call_arg.value, "id", "") == ROOT_LIST
-
-
 # -- the check --------------------------------------------------------------------------------------
 
 
@@ -171,24 +168,16 @@ def violations(root: Path, units: dict[str, Unit]) -> list[str]:
         if unit is None:
             bad.append(f"{module}: in no row of the layer table")
             continue
-        tree = ast.parse(path.read_text())
-        root_calls = {
-            n.lineno
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and n.args and _is_root_list(n.args[0])
-        }
         for edge in edges_of(module, path, known):
-            problem = _problem(edge, unit, units, edge.line in root_calls)
+            problem = _problem(edge, unit, units)
             if problem:
                 bad.append(f"{path.relative_to(root)}:{edge.line}: {module} -> {edge.target}: {problem}")
     return bad
 
 
-def _problem(edge: Edge, unit: Unit, units: dict[str, Unit], through_root_list: bool) -> str:
+def _problem(edge: Edge, unit: Unit, units: dict[str, Unit]) -> str:
     if edge.target == "?":
-        if unit.composition_root and through_root_list:
-            return ""
-        return "imports a computed name (only the composition root may, through its plugin list)"
+        return "imports a computed name (commands of other packages come from entry points)"
     target = unit_of(edge.target, units)
     if target is None:
         return _third_party_problem(edge.target.split(".")[0], unit)
@@ -229,38 +218,32 @@ def test_the_table_covers_every_package_and_points_downward() -> None:
     assert not [u.name for u in units.values() if "kvstore.cli.main" in u.may_import]  # nothing imports it
 
 
-def test_the_composition_root_reaches_upper_layers_only_through_declared_plugins() -> None:
+def test_command_plugins_are_declared_entry_points_above_kvstore() -> None:
     units = layer_table()
-    tree = ast.parse((ROOT / "kvstore" / "cli.py").read_text())
-    (plugins,) = [
-        ast.literal_eval(node.value) for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == ROOT_LIST
-    ]  # fmt: skip
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert declared["kvsieve.commands"] == {name: f"{module}:register" for name, module in plugins.items()}
-    for module in plugins.values():
+    plugins = declared["kvsieve.commands"]
+    assert plugins, "no command plugin declared"
+    for target in plugins.values():
+        module, _, function = target.partition(":")
         unit = unit_of(module, units)
-        assert unit is not None and unit.layer > units["kvstore"].layer and not unit.composition_root
+        assert unit is not None and unit.layer > units["kvstore.cli"].layer and not unit.composition_root
         assert module in modules(ROOT), f"{module} does not exist"
+        assert function == "register"
 
 
 IL = "import importlib\n"
 FORBIDDEN = {
     "absolute": ("kvstore/bad.py", "import engine_adapter.engine\n", "kvstore.bad -> engine_adapter.engine"),
     "from": ("kvstore/bad.py", "from bench import sidecar\n", "kvstore.bad -> bench.sidecar"),
-    "relative to the root": ("kvstore/server/bad.py", "from ..cli import main\n", "-> kvstore.cli.main"),
-    "relative package": ("kvstore/server/bad.py", "from .. import cli\n", "-> kvstore.cli.main"),
+    "relative to the root": ("kvstore/server/bad.py", "from ..cli import main\n", "-> kvstore.cli.main:"),
+    "relative package": ("kvstore/server/bad.py", "from .. import cli\n", "-> kvstore.cli:"),
     "type checking": (
         "kvstore/bad.py",
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine_adapter.engine import Engine\n",
         "kvstore.bad -> engine_adapter.engine",
     ),
     "import_module": ("kvstore/bad.py", IL + 'importlib.import_module("bench.x_bench")\n', "-> bench"),
-    "__import__": (
-        "radix/bad.py",
-        '__import__("kvstore.store.tiered")\n',
-        "radix (layer 1) may not import kvstore",
-    ),
+    "__import__": ("radix/bad.py", '__import__("kvstore.store")\n', "radix (layer 1) may not import kvstore"),
     "constant name": (
         "kvstore/bad.py",
         IL + 'M = "engine_adapter"\nimportlib.import_module(M)\n',
@@ -276,21 +259,47 @@ FORBIDDEN = {
     ),
     "third-party": ("radix/bad.py", "import torch\n", "radix may import only ['numpy']"),
     "banned third-party": ("bench/bad.py", "import transformers\n", "bench may not import transformers"),
-    "root beyond its list": (
+    "up inside kvstore": (
+        "kvstore/tiers/bad.py",
+        "from kvstore.store import tiered\n",
+        "kvstore.tiers (layer 4) may not import kvstore.store (layer 7)",
+    ),
+    "client to server": (
+        "kvstore/rpc/bad.py",
+        "from kvstore.server import app\n",
+        "kvstore.rpc (layer 3) may not import kvstore.server (layer 8)",
+    ),
+    "beside inside kvstore": (
+        "kvstore/client/bad.py",
+        "import kvstore.server.app\n",
+        "kvstore.client (layer 8) may not import kvstore.server (layer 8)",
+    ),
+    "root upward": (
         "kvstore/cli/main.py",
         "import engine_adapter.commands\n",
-        "kvstore.cli.main (layer 5)",
+        "kvstore.cli.main (layer 11) may not import engine_adapter",
+    ),
+    "root computed name": (
+        "kvstore/cli/main.py",
+        IL + "PLUGINS = {}\nimportlib.import_module(PLUGINS['a'])\n",
+        "a computed name",
     ),
 }
+PACKAGE_DIRS = (
+    "kvstore/server",
+    "kvstore/cli",
+    "kvstore/store",
+    "kvstore/tiers",
+    "kvstore/rpc",
+    "kvstore/client",
+)
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    for package in PACKAGES:
+    for package in (*PACKAGES, *PACKAGE_DIRS):
         (tmp_path / package).mkdir(exist_ok=True)
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "kvstore" / "server").mkdir(exist_ok=True)
-    (tmp_path / "kvstore" / "server" / "__init__.py").write_text("")
-    for name in ("cli", "store"):
+    for name in ("cli/main", "store/tiered", "server/app", "engine"):
         (tmp_path / "kvstore" / f"{name}.py").write_text("")
     (tmp_path / "engine_adapter" / "engine.py").write_text("")
     (tmp_path / "engine_adapter" / "commands.py").write_text("")
@@ -311,35 +320,157 @@ def test_the_checker_passes_allowed_edges(tmp_path: Path) -> None:
     files = {
         "engine_adapter/ok.py": "import numpy\nfrom kvstore import store\nfrom . import engine\n",
         "bench/ok.py": IL + 'from engine_adapter.engine import x\nimportlib.import_module("radix")\n',
-        "kvstore/cli/main.py": "import importlib\nPLUGINS = {}\nimportlib.import_module(PLUGINS['a'])\n",
+        "kvstore/cli/main.py": "from kvstore.server import app\nfrom kvstore.store import tiered\n",
+        "kvstore/tiers/ok.py": "import lmdb\nfrom kvstore import errors\n",
         "radix/ok.py": "import numpy as np\nimport os\n",
     }
     assert violations(_tree(tmp_path, files), layer_table()) == []
 
 
-# -- narrower rules, kept from before the table ------------------------------------------------------
+# -- cycles -------------------------------------------------------------------------------------------
 
 
-def test_tiers_and_codec_import_no_siblings() -> None:
-    allowed = {
-        "kvstore.errors",
-        "kvstore.keys",
-        "kvstore.model",
-        "kvstore.tiers.remote.link",
-        "kvstore.stats",
-        "kvstore.values",
-        "kvstore.config",
-    }
-    found = modules(ROOT)
-    for module, path in found.items():
-        if not module.startswith(("kvstore.tiers", "kvstore.format")):
+def import_cycles(root: Path, package: str = "kvstore") -> list[list[str]]:
+    """Every strongly connected group of two or more modules of `package`, each as a sorted list
+    (a module importing itself counts too). Edges to a package's `__init__` count as edges to it."""
+    found = modules(root)
+    known = set(found)
+    graph: dict[str, set[str]] = {m: set() for m in found if m == package or m.startswith(package + ".")}
+    for module in graph:
+        for edge in edges_of(module, found[module], known):
+            target = edge.target
+            while target not in graph and "." in target:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target in graph:
+                graph[module].add(target)
+    return [sorted(c) for c in _strongly_connected(graph) if len(c) > 1 or c[0] in graph[c[0]]]
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative (the graph has a few hundred nodes)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
             continue
-        targets = {e.target for e in edges_of(module, path, set(found))}
-        siblings = {
-            t for t in targets
-            if t.startswith("kvstore.") and not t.startswith(("kvstore.tiers", "kvstore.format"))
-        }  # fmt: skip
-        assert siblings <= allowed, f"{module} imports {siblings - allowed}"
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    groups.append(group)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return groups
+
+
+def test_kvstore_modules_import_no_cycle() -> None:
+    assert import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
+    files = {
+        "kvstore/a.py": "from kvstore.b import x\n",
+        "kvstore/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvstore.c import y\n",
+        "kvstore/c.py": "import kvstore.a\n",
+        "kvstore/d.py": "from kvstore import a\n",
+    }
+    assert import_cycles(_tree(tmp_path, files)) == [["kvstore.a", "kvstore.b", "kvstore.c"]]
+
+
+# -- one home per name --------------------------------------------------------------------------------
+
+
+def reexports(root: Path) -> list[str]:
+    """Every `from kvstore... import NAME` (in every package and in tests/) whose module does not
+    define NAME, and every `__all__` listing a name defined elsewhere, except in FACADES."""
+    found = modules(root)
+    homes = {module: _defined(path) for module, path in found.items() if module.startswith("kvstore")}
+    bad: list[str] = []
+    sources = [*found.values(), *sorted((root / "tests").glob("*.py"))]
+    for path in sources:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in homes):
+                continue
+            if node.module in FACADES:
+                continue
+            for alias in node.names:
+                if alias.name not in homes[node.module] and f"{node.module}.{alias.name}" not in found:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {alias.name} from {node.module}")
+    for module, path in found.items():
+        if module in homes and module not in FACADES:
+            listed = _all_names(path)
+            bad += [f"{path.relative_to(root)}: __all__ lists {name}" for name in listed - homes[module]]
+    return bad
+
+
+def _defined(path: Path) -> set[str]:
+    """Names a module defines at its top level (not the ones it imports), in `if`/`try` too."""
+    return _defined_in(ast.parse(path.read_text()).body)
+
+
+def _defined_in(body: list[ast.stmt]) -> set[str]:
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.If | ast.Try):
+            names |= _defined_in([*node.body, *node.orelse])
+    return names
+
+
+def _all_names(path: Path) -> set[str]:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def test_every_name_is_imported_from_its_home() -> None:
+    bad = reexports(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_home_check_finds_a_reexport(tmp_path: Path) -> None:
+    files = {
+        "kvstore/errors.py": "class Boom(Exception):\n    pass\n",
+        "kvstore/shim.py": "from kvstore.errors import Boom as Boom  # old home\n__all__ = ['Boom']\n",
+        "kvstore/user.py": "from kvstore.shim import Boom\nfrom kvstore.errors import Boom as B\n",
+        "kvstore/store/__init__.py": (
+            "from kvstore.store.tiered import TieredStore\n__all__ = ['TieredStore']\n"
+        ),
+        "kvstore/store/tiered.py": "class TieredStore:\n    pass\n",
+        "kvstore/cli/main.py": "from kvstore.store import TieredStore\n",
+    }
+    (tmp_path / "tests").mkdir()
+    bad = reexports(_tree(tmp_path, files))
+    assert sorted(bad) == ["kvstore/shim.py: __all__ lists Boom", "kvstore/user.py:1: Boom from kvstore.shim"]
 
 
 def test_importing_the_packages_stays_light() -> None:

@@ -169,7 +169,7 @@ class Chaos:
             cmd = [
                 sys.executable,
                 "-m",
-                "kvstore.cli",
+                "kvstore.cli.main",
                 "fsck",
                 "--data-dir",
                 str(self.data_dir),

@@ -261,7 +261,7 @@ def test_run_command_reports_a_dead_store_in_one_line(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "kvstore.cli",
+        "kvstore.cli.main",
         "run",
         str(program),
         "--store",

@@ -116,7 +116,7 @@ def test_non_loopback_without_auth_is_refused(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "kvstore.cli",
+        "kvstore.cli.main",
         "serve",
         "--listen",
         "0.0.0.0:0",

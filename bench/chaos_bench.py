@@ -5,7 +5,9 @@ loads inline and through shared memory, SIGKILLs of the server (mid-store; then 
 restart on the same data directory) and of client processes (mid shared-memory
 load), bit flips in chunk records and in block metadata records while the server
 is down, then a full disk (a small tmpfs as the data directory, where this
-machine can mount one). Every load is checked against what was stored: a load may
+machine can mount one), then the layered layout's own phase (bench/chaos_layered.py:
+LoadLayers streams, flips in layer records and summaries, three sidecars of two
+geometries on one Redis). Every load is checked against what was stored: a load may
 miss, but any byte it returns must be the stored one (`wrong_kv` counts loads that
 returned anything else, including KV for a prompt that was never stored).
 """
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from bench import chaos_faults as faults
+from bench import chaos_layered
 from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
 from bench.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
@@ -290,7 +293,7 @@ def _fill(server: Sidecar, tally: Tally, seconds: float) -> None:
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench chaos --json` prints."""
-    chaos_s, disk_s = (20.0, 5.0) if quick else (130.0, 15.0)
+    chaos_s, disk_s, layered_s = (20.0, 5.0, 15.0) if quick else (130.0, 15.0, 60.0)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         chaos = Chaos(Path(tmp) / "data")
@@ -301,8 +304,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         finally:
             chaos.server.kill()
         full_disk(Path(tmp), chaos.tally, disk_s)
+    layered = chaos_layered.run(layered_s)
     return {
         **asdict(chaos.tally),
+        **layered,
         "prefixes_stored": len(chaos.prefixes),
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -76,13 +76,21 @@ def _flip_in_file(path: Path, record: bytes, offset: int, bit: int) -> int:
     return copies
 
 
+def chunk_records(lmdb_dir: Path) -> list[bytes]:
+    """Every value of the chunk database: chunk records, and the layered layout's layer
+    records and key summaries."""
+    return _records(lmdb_dir, b"chunks")
+
+
+def flip_record(lmdb_dir: Path, record: bytes, rng: random.Random) -> bool:
+    """Flip one random bit of `record` where it lies in the file. False if it was not found."""
+    return _flip_in_file(lmdb_dir / LMDB_DATA_FILE, record, rng.randrange(len(record)), rng.randrange(8)) > 0
+
+
 def flip_chunk_byte(lmdb_dir: Path, rng: random.Random) -> bool:
     """Flip one random bit of one random chunk record. False if no chunk was found in the file."""
-    chunks = _records(lmdb_dir, b"chunks")
-    if not chunks:
-        return False
-    record = rng.choice(chunks)
-    return _flip_in_file(lmdb_dir / LMDB_DATA_FILE, record, rng.randrange(len(record)), rng.randrange(8)) > 0
+    chunks = chunk_records(lmdb_dir)
+    return bool(chunks) and flip_record(lmdb_dir, rng.choice(chunks), rng)
 
 
 def flip_meta_token(lmdb_dir: Path, prefixes: list[Prefix], rng: random.Random) -> MetaFlip | None:

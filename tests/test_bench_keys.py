@@ -23,7 +23,7 @@ PUBLISHED = {
     "read_fraction_0_25 estimated_coverage_auto top1_importance_auto",
     "radix": "match_us_kvsieve insert_us_kvsieve bytes_per_block_kvsieve",
     "chaos": "server_kills client_kills flips_injected loads_checked wrong_kv server_crashes_unplanned "
-    "leaked_segments",
+    "leaked_segments layered_loads_checked wrong_kv_layered",
     "remote": "remote_load_mb_s redis_get_mb_s remote_vs_get store_ms_write_behind store_ms_sync "
     "ttft_speedup_remote_vs_recompute",
     "quality": " ".join(

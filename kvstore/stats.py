@@ -23,7 +23,11 @@ class StoreStats:
 
     Counter names: `lookups`, `loads`, `stores`, `blocks_written`, `chunk_hits.<tier>`,
     `chunk_misses`, `bytes_read.<tier>`, `bytes_written.<tier>`, `bytes_selected`,
-    `checksum_failures`, `evictions.<tier>` (blocks), `leases_expired`.
+    `checksum_failures`, `geometry_mismatches` (records whose header describes another chunk
+    size, chunk count, layer, dtype or shape than their block's metadata and the model: never
+    used, each one a miss), `blocks_dropped` (blocks forgotten as lost, corrupt or mismatched,
+    with those below them: gone from every local tier), `evictions.<tier>` (blocks),
+    `leases_expired`.
     """
 
     counters: dict[str, int]

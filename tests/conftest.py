@@ -66,12 +66,14 @@ def corrupt_chunk(config: StoreConfig, block_key: bytes, chunk_index: int, offse
     (the store is closed)."""
     import lmdb
 
+    from kvstore.format.block_meta import BlockMeta
     from kvstore.keys import chunk_key
 
     env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)  # the file may exceed the default
     db = env.open_db(b"chunks")
     with env.begin(write=True, db=db) as txn:
-        key = chunk_key(block_key, 0, chunk_index)
+        version = BlockMeta.from_bytes(txn.get(block_key, db=env.open_db(b"blocks", txn=txn))).layout_version
+        key = chunk_key(block_key, version, chunk_index)
         data = bytearray(txn.get(key))
         data[len(data) // 2 if offset is None else offset] ^= 0x01
         txn.put(key, bytes(data))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidInputError
-from kvstore.keys import as_token_array, block_keys, namespace_digest
+from kvstore.format.block_meta import layered_layout_version
+from kvstore.keys import as_token_array, block_keys, chunk_key, namespace_digest
 from kvstore.model import ModelSpec
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "keys.md"
@@ -41,6 +42,15 @@ def test_block_key_chain_vectors(index: int) -> None:
     tokens = as_token_array(chain["tokens"])
     keys = block_keys(tokens, chain["block_tokens"], fp, namespace_digest(chain["namespace"]))
     assert [k.hex() for k in keys] == chain["keys"]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_layered_chunk_key_vectors(index: int) -> None:
+    vector = _vectors()["layered_chunk_keys"][index]
+    version = layered_layout_version(vector["layer_chunk_tokens"])
+    assert version == vector["layout_version"]
+    key = chunk_key(bytes.fromhex(vector["block_key"]), version, vector["record_index"])
+    assert key.hex() == vector["chunk_key"]
 
 
 def test_keys_identical_in_a_fresh_process() -> None:

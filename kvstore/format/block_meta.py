@@ -19,8 +19,9 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ChecksumError
-from kvstore.format.chunk import ChunkId
+from kvstore.format.chunk import ChunkGeometry, ChunkId
 from kvstore.keys import ROOT_KEY, block_key
+from kvstore.model import ModelSpec
 
 _FIXED = struct.Struct("<4sH16s16s16sIIHIQdI")  # see BlockMeta.to_bytes
 _CHECKSUM = struct.Struct("<Q")
@@ -28,6 +29,30 @@ _MAGIC = b"KVSM"
 _VERSION = 2  # written; 1 (no checksum) is still read
 _READABLE_VERSIONS = (1, 2)
 IMPORTANCE, LAYERED = "importance", "layered"  # the layout kinds (kvstore.config.LAYOUTS)
+# A layered block's layout version carries its chunk size (docs/keys.md, "Chunk keys"): bit 31
+# set, chunk tokens in the low 16 bits. Importance-layout versions count re-layouts from 0.
+LAYERED_VERSION_BIT = 1 << 31
+_CHUNK_TOKENS_MASK = 0xFFFF
+
+
+def layered_layout_version(chunk_tokens: int) -> int:
+    """The layout version a store writes a layered block of `chunk_tokens`-token chunks with.
+
+    The chunk size changes every byte of a layer record, so it is part of the record's key and
+    identity: stores of other chunk sizes sharing a remote tier write other keys, never each
+    other's (docs/keys.md).
+    """
+    if not 1 <= chunk_tokens <= _CHUNK_TOKENS_MASK:
+        raise ValueError(f"chunk_tokens must be in [1, {_CHUNK_TOKENS_MASK}], got {chunk_tokens}")
+    return LAYERED_VERSION_BIT | chunk_tokens
+
+
+def version_chunk_tokens(layout_version: int) -> int | None:
+    """The chunk size a layout version carries (`layered_layout_version`), or None for a version
+    without one (importance-layout blocks, layered blocks written before versions carried it)."""
+    if not layout_version & LAYERED_VERSION_BIT:
+        return None
+    return layout_version & ~LAYERED_VERSION_BIT
 
 
 @dataclass(frozen=True)
@@ -118,6 +143,12 @@ class BlockMeta:
             return np.arange(self.num_tokens, dtype=np.int64)
         lo = chunk_index * self.chunk_tokens
         return self.permutation[lo : lo + self.chunk_tokens]
+
+    def chunk_geometry(self, chunk_index: int, model: ModelSpec) -> ChunkGeometry:
+        """What chunk `chunk_index` of an importance-layout block must hold (its header is checked
+        against it): the positions of its slots, and `model`'s layers, heads, head dim, dtype."""
+        positions = self.start + np.asarray(self.chunk_offsets(chunk_index), dtype=np.int64)
+        return ChunkGeometry(positions, model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
 
     def chunk_id(self, chunk_index: int, layout_version: int | None = None) -> ChunkId:
         """Identity of chunk `chunk_index` in this block's layout (or in `layout_version`)."""
@@ -244,9 +275,15 @@ def _layered_error(meta: BlockMeta) -> str | None:
     if meta.layout not in (IMPORTANCE, LAYERED):
         return f"unknown layout {meta.layout!r}"
     if not meta.is_layered:
+        if version_chunk_tokens(meta.layout_version) is not None:
+            return f"layout version {meta.layout_version:#x} is a layered block's, not an importance one's"
         return None
     if meta.num_layers < 1 or meta.num_tokens % meta.chunk_tokens:
         return f"layered block with {meta.num_layers} layers and {meta.chunk_tokens}-token chunks"
+    carried = version_chunk_tokens(meta.layout_version)
+    if carried is not None and carried != meta.chunk_tokens:
+        version = f"{meta.layout_version:#x}"
+        return f"layout version {version} is of {carried}-token chunks, not {meta.chunk_tokens}"
     if not np.array_equal(np.asarray(meta.permutation), np.arange(meta.num_tokens)):
         return "a layered block is not in prompt order"
     return None

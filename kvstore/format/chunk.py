@@ -51,6 +51,26 @@ class ChunkId:
     chunk_index: int
 
 
+class GeometryError(ChecksumError):
+    """A record's header describes other geometry (chunk tokens, chunk count, layer, dtype, kv
+    heads, head dim, positions) than the block's metadata and the model say it must have.
+
+    The record is never used: a reader counts it (`geometry_mismatches`) and drops the block.
+    """
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """What a chunk of an importance-layout block must hold: its block's metadata and the model
+    say so (positions are the block's start plus the chunk's slots of the permutation)."""
+
+    positions: np.ndarray[Any, Any]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_name: str
+
+
 @dataclass(frozen=True)
 class DecodedChunk:
     """A verified chunk: identity, codec, the positions of its tokens and its KV."""
@@ -97,18 +117,23 @@ def encode_chunk(
 
 
 def decode_chunk(
-    data: bytes | memoryview, expect: ChunkId | None = None, trusted: bool = False
+    data: bytes | memoryview,
+    expect: ChunkId | None = None,
+    trusted: bool = False,
+    geometry: ChunkGeometry | None = None,
 ) -> DecodedChunk:
     """Verify and decode a chunk.
 
     A raw payload is returned as a read-only view of `data` (no copy: that is what
     makes loads memcpy-fast), so `data` must be an immutable buffer such as `bytes`;
     a mutable one is copied first. `trusted` skips the checksum, for chunks the
-    memory tier holds in buffers it wrote itself.
+    memory tier holds in buffers it wrote itself. `geometry`: what the block's metadata
+    and the model say the chunk holds, checked before any byte of KV is used.
 
     Raises:
         ChecksumError: bad magic, truncated, checksum mismatch, or an identity other
             than `expect` (so a reader never gets another block's data).
+        GeometryError: positions, layers, kv heads, head dim or dtype other than `geometry`'s.
     """
     view = memoryview(data)
     if not view.readonly:
@@ -129,6 +154,15 @@ def decode_chunk(
     if pos_end + payload_len != len(body) or codec_id not in _CODEC_NAMES or dtype_id not in _DTYPE_NAMES:
         raise ChecksumError("chunk header does not match its length, codec or dtype")
     positions = np.frombuffer(body[_HEADER.size : pos_end], dtype="<u4").astype(np.int64)
+    if geometry is not None:
+        found = (layers, heads, head_dim, _DTYPE_NAMES[dtype_id])
+        wanted = (geometry.num_layers, geometry.kv_heads, geometry.head_dim, geometry.dtype_name)
+        if found != wanted or not np.array_equal(positions, geometry.positions):
+            raise GeometryError(
+                f"chunk {chunk_id.chunk_index}: header says (layers, kv heads, head dim, dtype) {found} "
+                f"and {num_tokens} positions, the block and model say {wanted} and {len(geometry.positions)}"
+                " positions (or other ones)"
+            )
     dtype = numpy_dtype(_DTYPE_NAMES[dtype_id])
     payload = body[pos_end:]
     codec = _CODEC_NAMES[codec_id]

@@ -29,7 +29,7 @@ import xxhash
 
 from importance.lowbit import LowBitKeys, dequantize, pack_codes, packed_bytes, quantize, unpack_codes
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.format.chunk import ChunkId
+from kvstore.format.chunk import ChunkId, GeometryError
 
 Array = np.ndarray[Any, Any]
 
@@ -40,6 +40,14 @@ SUMMARY_BITS = 2
 # kv heads, head dim, tokens, bits, group tokens, packed codes length
 _HEADER = struct.Struct("<4sH16s16s16sIIHHHBHI")
 _CHECKSUM = struct.Struct("<Q")
+
+
+class SummaryGeometry(NamedTuple):
+    """What a summary must describe: its block's tokens and the model's kv heads and head dim."""
+
+    tokens: int
+    kv_heads: int
+    head_dim: int
 
 
 class DecodedSummary(NamedTuple):
@@ -80,12 +88,15 @@ def encode_summary(record_id: ChunkId, keys: Array, bits: int = SUMMARY_BITS) ->
     return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def decode_summary(data: bytes | memoryview, expect: ChunkId | None = None) -> DecodedSummary:
+def decode_summary(
+    data: bytes | memoryview, expect: ChunkId | None = None, geometry: SummaryGeometry | None = None
+) -> DecodedSummary:
     """Verify and decode a summary record (the checksum is always checked: records are small).
 
     Raises:
         ChecksumError: not a summary record, truncated, checksum mismatch, sizes that do
             not add up, or an identity other than `expect`.
+        GeometryError: tokens, kv heads or head dim other than `geometry`'s.
     """
     view = memoryview(data)
     if len(view) < _HEADER.size + _CHECKSUM.size:
@@ -100,6 +111,11 @@ def decode_summary(data: bytes | memoryview, expect: ChunkId | None = None) -> D
     record_id = ChunkId(fp, ns, key, layout, index)
     if expect is not None and record_id != expect:
         raise ChecksumError(f"summary identity mismatch: expected {expect}, found {record_id}")
+    if geometry is not None and (tokens, heads, dim) != geometry:
+        found = (tokens, heads, dim)
+        raise GeometryError(
+            f"summary header says (tokens, kv heads, head dim) {found}; expected {tuple(geometry)}"
+        )
     sizes_ok = 1 <= bits <= 8 and group >= 1
     if not sizes_ok or _HEADER.size + packed_bytes(tokens, heads, dim, bits, group) != len(body):
         raise ChecksumError("summary header does not match its length")

@@ -17,6 +17,10 @@ only the byte ranges of the chunks it wants. Layout (little-endian)::
 
 The header's size depends only on the number of chunks (`header_bytes`), so a reader
 that knows the block's chunk count reads it with one range request.
+
+A header is never trusted about geometry: a reader passes the `LayerGeometry` its block's
+metadata and the model imply (chunk tokens, chunk count, record index, dtype, kv heads,
+head dim) and `parse_header` refuses any other with `GeometryError` before a byte is used.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ChecksumError, InvalidInputError
-from kvstore.format.chunk import CODEC_IDS, ChunkId, decompress_unshuffle, shuffle_compress
+from kvstore.format.chunk import CODEC_IDS, ChunkId, GeometryError, decompress_unshuffle, shuffle_compress
 from kvstore.model import DTYPE_IDS, numpy_dtype
 
 Array = np.ndarray[Any, Any]
@@ -43,6 +47,17 @@ _ENTRY = np.dtype([("offset", "<u4"), ("length", "<u4"), ("checksum", "<u8")])
 _CHECKSUM = struct.Struct("<Q")
 _CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 _DTYPE_NAMES = {v: k for k, v in DTYPE_IDS.items()}
+
+
+class LayerGeometry(NamedTuple):
+    """What a layer record must describe: its block's metadata and the model say so."""
+
+    record_index: int  # the layer's record (kvstore.format.block_meta.BlockMeta.record_index)
+    chunk_tokens: int
+    num_chunks: int
+    dtype_name: str
+    kv_heads: int
+    head_dim: int
 
 
 class LayerHeader(NamedTuple):
@@ -65,6 +80,14 @@ class LayerHeader(NamedTuple):
     def num_chunks(self) -> int:
         """Chunks in the record."""
         return len(self.offsets)
+
+    @property
+    def geometry(self) -> LayerGeometry:
+        """What the header says about the record's geometry."""
+        return LayerGeometry(
+            self.record_id.chunk_index, self.chunk_tokens, self.num_chunks, self.dtype_name,
+            self.kv_heads, self.head_dim,
+        )  # fmt: skip
 
     def chunk_shape(self) -> tuple[int, int, int, int]:
         """(2, kv_heads, chunk_tokens, head_dim): one decoded chunk."""
@@ -125,12 +148,19 @@ def encode_layer_record(
     return b"".join((body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *payloads))
 
 
-def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> LayerHeader:
+def parse_header(
+    data: bytes | memoryview, expect: ChunkId | None = None, geometry: LayerGeometry | None = None
+) -> LayerHeader:
     """Verify and parse the header at the start of `data` (the header range or the whole record).
+
+    `geometry`: what the reader's block metadata and model imply; any other is refused.
 
     Raises:
         ChecksumError: not a layer record, truncated, header checksum mismatch, a table
-            that does not describe adjacent chunks after the header, or another identity.
+            that does not describe adjacent chunks after the header, or another identity
+            (fingerprint, namespace, block key, layout version).
+        GeometryError: another record index (layer), chunk size, chunk count, dtype, kv
+            heads or head dim than `geometry` (or `expect`'s record index).
     """
     view = memoryview(data)
     if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
@@ -138,6 +168,8 @@ def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> Lay
     (_magic, version, codec_id, dtype_id, fp, ns, key, layout, index,
      heads, dim, chunk_tokens, n) = _HEADER.unpack_from(view)  # fmt: skip
     size = header_bytes(n)
+    if geometry is not None and len(view) < size and n != geometry.num_chunks:
+        raise GeometryError(f"layer record header says {n} chunks; expected {geometry.num_chunks}")
     if version != FORMAT_VERSION or len(view) < size:
         raise ChecksumError(f"layer record header truncated or version {version} ({len(view)} bytes)")
     body = view[: size - _CHECKSUM.size]
@@ -145,6 +177,11 @@ def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> Lay
         raise ChecksumError("layer record header checksum mismatch")
     record_id = ChunkId(fp, ns, key, layout, index)
     if expect is not None and record_id != expect:
+        if expect == ChunkId(fp, ns, key, layout, expect.chunk_index):  # only the layer differs
+            raise GeometryError(
+                f"layer record identity mismatch: record index {index} (another layer's record) "
+                f"where record {expect.chunk_index} was expected"
+            )
         raise ChecksumError(f"layer record identity mismatch: expected {expect}, found {record_id}")
     words = np.frombuffer(body, "<u4", count=4 * n, offset=_HEADER.size).reshape(n, 4).astype(np.int64)
     offsets, lengths = words[:, 0], words[:, 1]
@@ -153,6 +190,10 @@ def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> Lay
         raise ChecksumError(
             "layer record header has an unknown codec or dtype or a table that does not add up"
         )
+    if geometry is not None:
+        found = LayerGeometry(index, chunk_tokens, n, _DTYPE_NAMES[dtype_id], heads, dim)
+        if found != geometry:
+            raise _mismatch(found, geometry)
     return LayerHeader(
         record_id,
         _CODEC_NAMES[codec_id],
@@ -167,6 +208,16 @@ def parse_header(data: bytes | memoryview, expect: ChunkId | None = None) -> Lay
         int(offsets[-1] + lengths[-1]) if n else size,
         numpy_dtype(_DTYPE_NAMES[dtype_id]),
     )
+
+
+def _mismatch(found: LayerGeometry, expected: LayerGeometry) -> GeometryError:
+    """The error for a header that says `found` where the block and model imply `expected`."""
+    wrong = [
+        f"{name} {a!r} (expected {b!r})"
+        for name, a, b in zip(found._fields, found, expected, strict=True)
+        if a != b
+    ]
+    return GeometryError(f"layer record header says {', '.join(wrong)}")
 
 
 def decode_run(
@@ -201,16 +252,21 @@ def decode_run(
 
 def decode_layer_record(
     data: bytes | memoryview, expect: ChunkId | None = None, trusted: bool = False,
-    header: LayerHeader | None = None,
+    header: LayerHeader | None = None, geometry: LayerGeometry | None = None,
 ) -> tuple[LayerHeader, Array]:  # fmt: skip
     """Verify and decode a whole record: its header and (num_chunks, 2, kv_heads, chunk_tokens,
     head_dim) chunks (a read-only view of `data` for raw records). `header`: this record's
-    header, already verified (a trusted record's, kept by the caller), is not parsed again.
+    header, already verified (a trusted record's, kept by the caller), is not parsed again;
+    it too must describe `geometry`.
 
     Raises:
         ChecksumError: as `parse_header` and `decode_run`, or trailing bytes.
+        GeometryError: as `parse_header`.
     """
-    header = parse_header(data, expect) if header is None else header
+    if header is None:
+        header = parse_header(data, expect, geometry)
+    elif geometry is not None and header.geometry != geometry:
+        raise _mismatch(header.geometry, geometry)
     view = memoryview(data)
     if len(view) != header.total_bytes:
         raise ChecksumError(f"layer record is {len(view)} bytes, its header says {header.total_bytes}")

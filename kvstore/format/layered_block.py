@@ -16,12 +16,14 @@ from collections.abc import Sequence
 
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
-from kvstore.format.key_summary import encode_summary, is_summary
+from kvstore.format.key_summary import SummaryGeometry, encode_summary, is_summary
 from kvstore.format.layer_record import (
+    LayerGeometry,
     encode_layer_record,
     is_layer_record,
     raw_layer_record,
 )
+from kvstore.model import ModelSpec
 from kvstore.values import Array
 
 
@@ -38,6 +40,20 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
         cid = meta.chunk_id(meta.record_index(layer, 0))
         records.append(encode_layer_record(cid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level))
     return records
+
+
+def layer_geometry(meta: BlockMeta, layer: int, model: ModelSpec) -> LayerGeometry:
+    """What the layer record of `layer` must describe: the block's chunk size and count, its record
+    index, and the model's dtype, kv heads and head dim (its header is never trusted about them)."""
+    return LayerGeometry(
+        meta.record_index(layer, 0), meta.chunk_tokens, meta.chunks_per_layer, model.dtype,
+        model.num_kv_heads, model.head_dim,
+    )  # fmt: skip
+
+
+def summary_geometry(meta: BlockMeta, model: ModelSpec) -> SummaryGeometry:
+    """What every key summary of the block must describe: its tokens, the model's kv heads and head dim."""
+    return SummaryGeometry(meta.num_tokens, model.num_kv_heads, model.head_dim)
 
 
 def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:

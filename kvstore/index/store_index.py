@@ -10,7 +10,10 @@ apart, from the matched blocks' metadata: kvstore/load/plan.py):
   every local tier at once (never from the shared remote tier: other sidecars use it);
 - in a memory-only store, memory pressure does the same (whole blocks);
 - beside a durable tier, memory is a cache of it and gives up single chunks ranked
-  by the configured policy (kvstore/index/eviction.py), never chunks of pinned blocks.
+  by the configured policy (kvstore/index/eviction.py), never chunks of pinned blocks;
+- a block dropped as lost or damaged (`forget`) leaves every local tier at once, the
+  blocks below it too: once unlisted nothing reaches their records, which would otherwise
+  hold the disk budget (as unevictable bytes) until a restart or `fsck --repair`.
 
 The tiers only store bytes and count them. Every method is thread-safe.
 """
@@ -26,7 +29,7 @@ import numpy as np
 
 from kvstore.api import Lease
 from kvstore.config import StoreConfig
-from kvstore.errors import StoreFullError, TierFullError
+from kvstore.errors import KVSieveError, StoreFullError, TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.eviction import create_policy
 from kvstore.index.leases import LeaseTable
@@ -62,6 +65,8 @@ class StoreIndex:
         self._memory_is_cache = memory_is_cache
         self._policy = create_policy(config.memory_policy)
         self._memory_lock = threading.Lock()  # policy + make-room + put are one step
+        self._reclaim_lock = threading.Lock()
+        self._unreclaimed: set[bytes] = set()  # forgotten blocks still to delete from local tiers
         self._counters = counters
         self.memory_evictions = 0  # chunks evicted from memory since start
 
@@ -80,11 +85,42 @@ class StoreIndex:
         """Replace a listed block's metadata (new scores). Mutates."""
         node.payload = meta
 
-    def forget(self, key: bytes) -> None:
-        """Unlist a block and every block below it (lost or corrupt); drop them from memory."""
+    def forget(self, key: bytes) -> int:
+        """Unlist a block and every block below it (lost, corrupt, or of other geometry) and drop
+        them from memory and from every local durable tier, so their bytes leave the disk budget
+        at once (never from the shared remote tier: other sidecars use it). Mutates.
+
+        A local delete that fails (the tier's storage failed) is retried before the next eviction.
+        Returns the bytes freed on the local durable tiers.
+        """
         with self._memory_lock:
-            for node in self.tree.remove(key):
+            removed = self.tree.remove(key)
+            for node in removed:
                 self._drop_from_memory_locked(node.payload)
+        if removed:
+            self._counters.add("blocks_dropped", len(removed))
+        with self._reclaim_lock:
+            self._unreclaimed.update(node.key for node in removed)
+        return self._reclaim()
+
+    def _reclaim(self) -> int:
+        """Delete forgotten blocks from the local durable tiers (outside the memory lock, as
+        `evict` does). Keys whose delete fails stay for the next try. Returns the bytes freed."""
+        with self._reclaim_lock:
+            keys, self._unreclaimed = self._unreclaimed, set()
+        freed, failed = 0, set()
+        for block in keys:
+            if self.tree.get(block) is not None:  # stored again meanwhile: it is listed, keep it
+                continue
+            for tier in self._local:
+                try:
+                    freed += tier.delete_block(block)
+                except KVSieveError:
+                    failed.add(block)
+        if failed:
+            with self._reclaim_lock:
+                self._unreclaimed |= failed
+        return freed
 
     def rebuild(self, metas: Iterable[BlockMeta]) -> int:
         """List the blocks of a durable tier at start-up, parents first. Returns orphans skipped."""
@@ -127,7 +163,11 @@ class StoreIndex:
     # -- eviction -----------------------------------------------------------------
 
     def evict(self, num_bytes: int) -> None:
-        """Free at least `num_bytes` from the local tiers (least recently used unpinned blocks)."""
+        """Free at least `num_bytes` from the local tiers (least recently used unpinned blocks),
+        after deleting what `forget` could not delete before."""
+        num_bytes -= self._reclaim()
+        if num_bytes <= 0:
+            return
         victims = self.tree.evict(num_bytes)
         with self._memory_lock:
             for node in victims:

@@ -6,7 +6,10 @@ verified by the caller (kvstore/load/read_layered.py, kvstore/load/layer_by_laye
 and a record read whole from a slower tier is then promoted to memory (`promote`).
 Ranges are never promoted: memory holds whole records only, and a range is not one.
 A remote record that fails its header check is a miss, counted and deleted remotely
-(its key is a content hash: the value is wrong for every reader).
+(its key is a content hash: the value is wrong for every reader). Every header is checked
+against the geometry the block's metadata and the model imply (`layer_geometry`), never
+trusted: a record of another chunk size, chunk count, layer, dtype or shape is refused with
+`GeometryError` (a local one) or is a miss counted in `geometry_mismatches` (a remote one).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.errors import ChecksumError, KVSieveError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.format.layer_record import LayerHeader, parse_header, raw_from_chunks
+from kvstore.format.chunk import GeometryError
+from kvstore.format.layer_record import LayerGeometry, LayerHeader, parse_header, raw_from_chunks
+from kvstore.format.layered_block import layer_geometry
+from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.stack import TierStack
@@ -55,24 +61,54 @@ class RecordFetcher:
         # the same bytes whenever it is promoted again, under a key that names block, layout, index.
         self._headers: dict[tuple[bytes, int, int], LayerHeader] = {}
 
-    def known_header(self, meta: BlockMeta, index: int, fetched: Fetched) -> LayerHeader | None:
-        """The parsed header of a record memory holds (parsed and kept on first use), else None."""
+    def known_header(
+        self, meta: BlockMeta, index: int, fetched: Fetched, geometry: LayerGeometry
+    ) -> LayerHeader | None:
+        """The parsed header of a record memory holds (parsed and kept on first use), else None.
+        A kept header is used only while it describes `geometry`.
+
+        Raises:
+            ChecksumError: the record fails its header checks (GeometryError: of its geometry).
+        """
         if not fetched.trusted:
             return None
         key = (meta.key, meta.layout_version, index)
         header = self._headers.get(key)
-        if header is None:
+        if header is None or header.geometry != geometry:
             if len(self._headers) >= _MAX_HEADERS:
                 self._headers.clear()
-            header = self._headers[key] = parse_header(fetched.data, meta.chunk_id(index))
+            self._headers.pop(key, None)
+            header = self._headers[key] = parse_header(fetched.data, meta.chunk_id(index), geometry)
         return header
+
+    def forget(self, key: bytes) -> None:
+        """Drop the kept headers of block `key` (the store dropped the block). Mutates."""
+        for kept in [k for k in self._headers if k[0] == key]:
+            self._headers.pop(kept, None)
+
+    def refuse_remote(self, tier: Tier, meta: BlockMeta, exc: ChecksumError) -> bool:
+        """A record of `tier` failed its checks with `exc`. If `tier` is the shared remote tier,
+        the value is a miss: counted (`geometry_mismatches` too for a GeometryError) and the
+        block deleted there. Returns whether it was (else the caller raises `exc`)."""
+        remote = self.tiers.remote
+        if remote is None or tier is not remote.tier:
+            return False
+        if isinstance(exc, GeometryError):
+            self._counters.add("geometry_mismatches")
+        remote.tier.count_corrupt()
+        with contextlib.suppress(KVSieveError):
+            remote.tier.delete_block(meta.key)
+        return True
 
     def all_in_memory(self, meta: BlockMeta, indices: Sequence[int]) -> bool:
         """Whether memory holds every record `indices` (then reading them whole copies nothing)."""
         return all(self.tiers.memory.has_chunk(meta.key, i) for i in indices)
 
-    def whole_records(self, meta: BlockMeta, indices: Sequence[int]) -> list[Fetched] | None:
-        """Records `indices` of a block, fastest tier first; None if one is in no tier."""
+    def whole_records(
+        self, meta: BlockMeta, indices: Sequence[int], model: ModelSpec
+    ) -> list[Fetched] | None:
+        """Layer records `indices` of a block, fastest tier first; None if one is in no tier (a
+        remote one whose header fails its checks, against `model` too, is in none)."""
         memory = self.tiers.memory
         found: dict[int, Fetched] = {}
         for index, data in zip(indices, memory.get_chunks(meta, indices), strict=True):
@@ -84,7 +120,7 @@ class RecordFetcher:
             if not missing:
                 break
             for index, data in zip(missing, self._get(tier, meta, missing), strict=True):
-                if data is not None and self._remote_ok(tier, meta, index, data):
+                if data is not None and self._remote_ok(tier, meta, index, data, model):
                     found[index] = Fetched(data, tier.name, False)
         tally: dict[str, int] = {}
         for fetched in found.values():
@@ -130,17 +166,14 @@ class RecordFetcher:
             return [None] * len(indices)
         return tier.get_chunks(meta, indices)
 
-    def _remote_ok(self, tier: Tier, meta: BlockMeta, index: int, data: memoryview) -> bool:
+    def _remote_ok(self, tier: Tier, meta: BlockMeta, index: int, data: memoryview, model: ModelSpec) -> bool:
         """Local records are verified by the caller (a failure raises); a remote one that is not a
-        layer record of this identity is a miss here, counted and deleted."""
-        remote = self.tiers.remote
-        if remote is None or tier is not remote.tier:
+        layer record of this identity and geometry is a miss here (`refuse_remote`)."""
+        if not self.tiers.is_remote(tier):
             return True
         try:
-            parse_header(data, meta.chunk_id(index))
+            parse_header(data, meta.chunk_id(index), layer_geometry(meta, index - meta.num_layers, model))
             return True
-        except ChecksumError:
-            remote.tier.count_corrupt()
-            with contextlib.suppress(KVSieveError):
-                remote.tier.delete_block(meta.key)
+        except ChecksumError as exc:
+            self.refuse_remote(tier, meta, exc)
             return False

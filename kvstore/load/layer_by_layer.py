@@ -6,7 +6,11 @@ reads one summary record per block of a layer (fastest tier first, promoted to
 memory); `read_layer` reads the chosen chunks of each block's layer record: the whole
 record (promoted) when it wants every chunk, else the record's header (verified and
 kept for the load's lifetime) and the chunks' byte ranges (not promoted). A record
-that fails its checksum makes the store forget its block (as `load` does) and raises ChecksumError.
+that fails its checksum makes the store forget its block (as `load` does) and raises ChecksumError;
+one whose header describes other geometry than the block's metadata and the model (chunk size,
+chunk count, layer, dtype, kv heads, head dim) is counted in `geometry_mismatches`, its block
+forgotten the same way, and raises GeometryError (a ChecksumError). A remote record that fails is
+a miss (deleted there), so the block then is in no tier: NotFoundError.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from importance.lowbit import LowBitKeys, dequantize
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
 from kvstore.format.block_meta import BlockMeta
+from kvstore.format.chunk import GeometryError
 from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
 from kvstore.format.layer_record import decode_layer_record
+from kvstore.format.layered_block import layer_geometry, summary_geometry
 from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, reads_whole
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
@@ -173,6 +179,9 @@ class LocalLayeredLoad:
         """Sorted local chunks `mine` of one block's layer record: (2, kv_heads, n * c, head_dim)."""
         try:
             chunks = self._layer_chunks(meta, block_index, layer, mine)
+        except GeometryError as exc:
+            self._lose(meta, "geometry_mismatches")
+            raise GeometryError(f"block {meta.key.hex()}: {exc}") from exc
         except ChecksumError as exc:
             self._lose(meta, "checksum_failures")
             raise ChecksumError(f"block {meta.key.hex()}: {exc}") from exc
@@ -185,17 +194,20 @@ class LocalLayeredLoad:
     def _layer_chunks(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array | None:
         index, fetcher = meta.record_index(layer, 0), self._fetcher
         if reads_whole(len(mine), meta.chunks_per_layer):
-            found = fetcher.whole_records(meta, [index])
+            found = fetcher.whole_records(meta, [index], self._model)
             if found is None:
                 return None
-            header, chunks = decode_layer_record(found[0].data, meta.chunk_id(index), found[0].trusted)
+            geometry = layer_geometry(meta, layer, self._model)
+            header, chunks = decode_layer_record(
+                found[0].data, meta.chunk_id(index), found[0].trusted, geometry=geometry
+            )
             fetcher.promote(meta, index, found[0], header, chunks)
             self.bytes_read += len(found[0].data)
             return chunks[mine]
         for _attempt in range(2):  # a cached header's tier may have dropped the record since
             head = self._headers.get((block_index, layer))
             if head is None:
-                head = read_header(fetcher, meta, index)
+                head = read_header(fetcher, meta, index, self._model)
                 if head is None:
                     return None
                 self._headers[(block_index, layer)] = head
@@ -219,10 +231,14 @@ class LocalLayeredLoad:
             if data is None:
                 continue
             try:
-                summary = decode_summary(data, meta.chunk_id(index))
+                summary = decode_summary(data, meta.chunk_id(index), summary_geometry(meta, self._model))
             except ChecksumError as exc:
-                self._lose(meta, "checksum_failures")
-                raise ChecksumError(f"block {meta.key.hex()}, summary of layer {layer}: {exc}") from exc
+                if self._fetcher.refuse_remote(tier, meta, exc):
+                    continue  # a miss: the remote tier is the last one
+                geometry = isinstance(exc, GeometryError)
+                self._lose(meta, "geometry_mismatches" if geometry else "checksum_failures")
+                error = GeometryError if geometry else ChecksumError
+                raise error(f"block {meta.key.hex()}, summary of layer {layer}: {exc}") from exc
             self.bytes_read += len(data)
             self._counters.add_many({f"summary_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
             if tier is not self._fetcher.tiers.memory:
@@ -233,6 +249,7 @@ class LocalLayeredLoad:
 
     def _lose(self, meta: BlockMeta, counter: str) -> None:
         self._counters.add(counter)
+        self._fetcher.forget(meta.key)
         self._index.forget(meta.key)
 
 

@@ -9,20 +9,20 @@ index decides (kvstore/index/store_index.py).
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ChecksumError, KVSieveError
+from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.format.chunk import decode_chunk, encode_chunk
+from kvstore.format.chunk import GeometryError, decode_chunk, encode_chunk
 from kvstore.format.layered_block import stored_records
 from kvstore.index.store_index import StoreIndex
 from kvstore.load.fetch import RecordFetcher
 from kvstore.load.plan import LoadPlan
 from kvstore.load.read_layered import load_units
+from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.stack import TierStack
@@ -49,45 +49,55 @@ class BlockReader:
         self._counters = counters
         self.layer_records = RecordFetcher(tiers, index, counters)  # the layered layout's reads
 
-    def read_blocks(self, plan: LoadPlan) -> Iterator[list[LoadedChunk] | None]:
-        """Each planned block's chunks, verified whole before it is yielded. A block lost from
-        every tier or corrupt yields None, is forgotten by the index, and ends the iteration."""
+    def read_blocks(self, plan: LoadPlan, model: ModelSpec) -> Iterator[list[LoadedChunk] | None]:
+        """Each planned block's chunks of `model`, verified whole before it is yielded. A block lost
+        from every tier, corrupt, or whose records describe other geometry than its metadata and
+        `model` (`geometry_mismatches`) yields None, is forgotten by the index (every local tier
+        drops it), and ends the iteration."""
         prefetch = _Prefetch(self.tiers.local_durable, plan)
         for block_index, (meta, indices) in enumerate(zip(plan.blocks, plan.chunks, strict=True)):
             try:
-                chunks = self._read_block(meta, block_index, indices, prefetch)
+                chunks = self._read_block(meta, block_index, indices, prefetch, model)
                 failure = "chunk_misses" if chunks is None else ""
+            except GeometryError:
+                chunks, failure = None, "geometry_mismatches"
             except ChecksumError:
                 chunks, failure = None, "checksum_failures"
             if chunks is None:  # this block and all after it become a miss
                 self._counters.add(failure)
+                self.layer_records.forget(meta.key)
                 self._index.forget(meta.key)
                 yield None
                 return
             yield chunks
 
     def _read_block(
-        self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch
+        self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch, model: ModelSpec
     ) -> list[LoadedChunk] | None:
         """The planned units of a block: its chunks, or a layered block's chunks of every layer."""
         if not meta.is_layered:
-            return self.read_records(meta, block_index, units, prefetch)
+            return self.read_records(meta, block_index, indices=units, model=model, prefetch=prefetch)
         if not all(self.tiers.memory.has_chunk(meta.key, i) for i in stored_records(meta, units)):
             prefetch.start(block_index)
-        return load_units(self.layer_records, meta, block_index, units)
+        return load_units(self.layer_records, meta, block_index, units, model)
 
     def read_records(
-        self, meta: BlockMeta, block_index: int, indices: list[int], prefetch: _Prefetch | None = None
-    ) -> list[LoadedChunk] | None:
+        self, meta: BlockMeta, block_index: int, indices: list[int], model: ModelSpec,
+        prefetch: _Prefetch | None = None,
+    ) -> list[LoadedChunk] | None:  # fmt: skip
         """Chunk records `indices` of a block, fastest tier first, verified and promoted to memory.
+        Each chunk's header must hold the positions, layers, heads, head dim and dtype that `meta`
+        and `model` imply (`BlockMeta.chunk_geometry`).
 
-        Returns None if one is in no tier. Raises ChecksumError if a local one is corrupt.
+        Returns None if one is in no tier (a remote one that fails its checks is in none).
+        Raises ChecksumError if a local one is corrupt (GeometryError: of other geometry).
         """
         found: dict[int, LoadedChunk] = {}
         tally: Counter[str] = Counter()
-        for index, data in zip(indices, self.tiers.memory.get_chunks(meta, indices), strict=True):
+        memory = self.tiers.memory
+        for index, data in zip(indices, memory.get_chunks(meta, indices), strict=True):
             if data is not None:
-                found[index] = self._decode(meta, block_index, index, data, self.tiers.memory.name, tally)
+                found[index] = self._decode(meta, block_index, index, data, memory.name, tally, model)
         self._index.touch_memory(meta, found)
         if len(found) < len(indices) and prefetch is not None:
             prefetch.start(block_index)
@@ -98,7 +108,7 @@ class BlockReader:
             for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
                 if data is None:
                     continue
-                chunk = self._decode_durable(meta, block_index, index, data, tier, tally)
+                chunk = self._decode_durable(meta, block_index, index, data, tier, tally, model)
                 if chunk is not None:
                     found[index] = chunk
                     self._promote(meta, index, chunk, data)
@@ -108,30 +118,29 @@ class BlockReader:
         return [found[i] for i in indices]
 
     def _decode(
-        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: str, tally: Counter[str]
-    ) -> LoadedChunk:
+        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: str,
+        tally: Counter[str], model: ModelSpec,
+    ) -> LoadedChunk:  # fmt: skip
         # Memory holds chunks this process encoded in immutable buffers: skip the checksum.
-        decoded = decode_chunk(data, meta.chunk_id(index), trusted=tier == self.tiers.memory.name)
+        trusted = tier == self.tiers.memory.name
+        decoded = decode_chunk(data, meta.chunk_id(index), trusted, meta.chunk_geometry(index, model))
         tally[f"chunk_hits.{tier}"] += 1
         tally[f"bytes_read.{tier}"] += len(data)
         return LoadedChunk(block_index, index, decoded.positions, decoded.kv, tier, len(data))
 
     def _decode_durable(
-        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: Tier, tally: Counter[str]
-    ) -> LoadedChunk | None:
+        self, meta: BlockMeta, block_index: int, index: int, data: memoryview, tier: Tier,
+        tally: Counter[str], model: ModelSpec,
+    ) -> LoadedChunk | None:  # fmt: skip
         """Decode a chunk read from disk or the remote tier. A remote chunk that fails its
-        checksum or identity is a miss, counted, and deleted remotely (its key is a content
-        hash: the value is wrong for every reader). A local one raises ChecksumError."""
-        remote = self.tiers.remote
-        if remote is None or tier is not remote.tier:
-            return self._decode(meta, block_index, index, data, tier.name, tally)
+        checksum, identity or geometry is a miss, counted, and deleted remotely (its key is a
+        content hash: the value is wrong for every reader). A local one raises ChecksumError."""
         try:
-            return self._decode(meta, block_index, index, data, tier.name, tally)
-        except ChecksumError:
-            remote.tier.count_corrupt()
-            with contextlib.suppress(KVSieveError):  # counted by the tier; a later reader retries
-                remote.tier.delete_block(meta.key)
-            return None
+            return self._decode(meta, block_index, index, data, tier.name, tally, model)
+        except ChecksumError as exc:
+            if self.layer_records.refuse_remote(tier, meta, exc):
+                return None
+            raise
 
     def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
         if self._config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path

@@ -2,7 +2,9 @@
 
 The records and their encoding are kvstore/format/layered_block.py. A normal `load` selects
 units: chunk c of every layer, joined into one all-layer chunk (`load_units`); a
-partial load reads a layer record's header and its chosen chunks' byte ranges.
+partial load reads a layer record's header and its chosen chunks' byte ranges. Every header
+is checked against the geometry the block's metadata and the model imply before any chunk of
+it is used (kvstore/format/layered_block.py `layer_geometry`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.layer_record import (
     LayerHeader,
@@ -20,7 +23,9 @@ from kvstore.format.layer_record import (
     header_bytes,
     parse_header,
 )
+from kvstore.format.layered_block import layer_geometry
 from kvstore.load.fetch import Fetched, RecordFetcher
+from kvstore.model import ModelSpec
 from kvstore.values import Array, LoadedChunk
 
 if TYPE_CHECKING:
@@ -39,13 +44,14 @@ def reads_whole(needed: int, chunks_per_layer: int) -> bool:
 
 
 def load_units(
-    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int]
+    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int], model: ModelSpec
 ) -> list[LoadedChunk] | None:
     """One all-layer `LoadedChunk` per unit (chunk u of every layer), bit-exact, or None if a
     layer record is in no tier. Each layer record is read whole when memory holds them all (a
     view: nothing is copied but the chosen chunks) or when the load needs more than
     every chunk (`reads_whole`; then promoted to memory), else as its header and the
-    chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record.
+    chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record (GeometryError on
+    one whose header describes other geometry than `meta` and `model` imply).
 
     A unit's `nbytes` are its chunks' stored bytes; the first unit also carries what was read
     beside them (headers, and the other chunks of a record read whole from a slower tier);
@@ -57,7 +63,7 @@ def load_units(
     order = np.asarray(units, dtype=np.int64)
     indices = _layer_indices(meta)
     whole = reads_whole(len(set(units)), meta.chunks_per_layer) or fetcher.all_in_memory(meta, indices)
-    parts = fetcher.whole_records(meta, indices) if whole else None
+    parts = fetcher.whole_records(meta, indices, model) if whole else None
     in_order = len(units) == meta.chunks_per_layer and bool(np.all(order == np.arange(len(units))))
     out: Array | None = None
     lengths: list[list[int]] = []
@@ -65,9 +71,9 @@ def load_units(
     tiers: set[str] = set()
     for layer in range(layers):
         if whole:
-            got = _whole_layer(fetcher, meta, layer, parts, order)
+            got = _whole_layer(fetcher, meta, layer, parts, order, model)
         else:
-            got = _ranged_layer(fetcher, meta, layer, order)
+            got = _ranged_layer(fetcher, meta, layer, order, model)
         if got is None:
             return None
         chunks, layer_lengths, overhead, tier = got
@@ -101,19 +107,21 @@ LayerPart = tuple[Array, list[int], int, str]
 
 
 def _whole_layer(
-    fetcher: RecordFetcher, meta: BlockMeta, layer: int, parts: list[Fetched] | None, order: Array
-) -> LayerPart | None:
+    fetcher: RecordFetcher, meta: BlockMeta, layer: int, parts: list[Fetched] | None, order: Array,
+    model: ModelSpec,
+) -> LayerPart | None:  # fmt: skip
     """The chosen chunks of a layer record read whole: verified, then promoted to memory."""
     if parts is None:
         return None
     fetched, index = parts[layer], meta.record_index(layer, 0)
-    known = fetcher.known_header(meta, index, fetched)
+    geometry = layer_geometry(meta, layer, model)
+    known = fetcher.known_header(meta, index, fetched, geometry)
     if known is not None and known.codec == "raw" and len(fetched.data) == known.total_bytes:
         # the hot path (a record memory holds, header known): a view of the chunks, nothing checked
         shape = (known.num_chunks, *known.chunk_shape())
         chunks = np.frombuffer(fetched.data, known.dtype, offset=known.size).reshape(shape)
         return chunks, known.lengths, known.size, fetched.tier
-    header, chunks = decode_layer_record(fetched.data, meta.chunk_id(index), fetched.trusted, known)
+    header, chunks = decode_layer_record(fetched.data, meta.chunk_id(index), fetched.trusted, known, geometry)
     fetcher.promote(meta, index, fetched, header, chunks)
     if fetched.trusted:  # memory hands out a view: only the header and the chosen chunks are touched
         return chunks, header.lengths, header.size, fetched.tier
@@ -121,10 +129,12 @@ def _whole_layer(
     return chunks, header.lengths, len(fetched.data) - chosen, fetched.tier
 
 
-def _ranged_layer(fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Array) -> LayerPart | None:
+def _ranged_layer(
+    fetcher: RecordFetcher, meta: BlockMeta, layer: int, order: Array, model: ModelSpec
+) -> LayerPart | None:
     """The header range, then the chosen chunks' ranges (adjacent ones merged), from one tier."""
     index = meta.record_index(layer, 0)
-    head = read_header(fetcher, meta, index)
+    head = read_header(fetcher, meta, index, model)
     if head is None:
         return None
     got = read_chunk_runs(fetcher, meta, index, head, sorted(set(order.tolist())))
@@ -144,12 +154,24 @@ class RangedHeader(NamedTuple):
     tier: Tier
 
 
-def read_header(fetcher: RecordFetcher, meta: BlockMeta, index: int) -> RangedHeader | None:
-    """The header range of layer record `index`, verified, from the fastest tier holding it."""
+def read_header(fetcher: RecordFetcher, meta: BlockMeta, index: int, model: ModelSpec) -> RangedHeader | None:
+    """The header range of layer record `index`, verified, from the fastest tier holding it; its
+    geometry must be what `meta` and `model` imply. None if no tier holds it (a remote header
+    that fails its checks is a miss: `RecordFetcher.refuse_remote`).
+
+    Raises:
+        ChecksumError: a local header fails its checks (GeometryError: describes other geometry).
+    """
     head = fetcher.ranges(meta, index, [(0, header_bytes(meta.chunks_per_layer))])
     if head is None:
         return None
-    return RangedHeader(parse_header(head.data[0], meta.chunk_id(index)), head.tier)
+    geometry = layer_geometry(meta, index - meta.num_layers, model)
+    try:
+        return RangedHeader(parse_header(head.data[0], meta.chunk_id(index), geometry), head.tier)
+    except ChecksumError as exc:
+        if fetcher.refuse_remote(head.tier, meta, exc):
+            return None
+        raise
 
 
 def read_chunk_runs(

@@ -161,7 +161,7 @@ class TieredStore:
         plan = plan_load(self._match(self._root(model, namespace), toks), resolved)
         stream = LocalLoadStream(
             plan.matched_tokens, plan.selected_tokens, model.token_bytes, self.config.block_tokens,
-            self.reader.read_blocks(plan), functools.partial(self._load_finished, model.token_bytes),
+            self.reader.read_blocks(plan, model), functools.partial(self._load_finished, model.token_bytes),
             plan.prefix_bytes, plan.estimated_coverage,
         )  # fmt: skip
         self.counters.add("loads")

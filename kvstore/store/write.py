@@ -18,7 +18,7 @@ import numpy as np
 from importance.layout import importance_order
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
-from kvstore.format.block_meta import LAYERED, BlockMeta
+from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import ChunkId, encode_chunk
 from kvstore.format.layered_block import encode_layered, memory_record
 from kvstore.index.store_index import StoreIndex
@@ -166,9 +166,9 @@ class BlockWriter:
         parent = keys[index - 1] if index else ROOT_KEY
         meta = BlockMeta(
             keys[index], parent, model.fingerprint, root[0], index, toks[index * b : (index + 1) * b].copy(),
-            c, 0, np.arange(b, dtype=np.int64), block_scores, 0, time.time(), namespace, LAYERED,
-            model.num_layers,
-        )  # fmt: skip
+            c, layered_layout_version(c), np.arange(b, dtype=np.int64), block_scores, 0, time.time(),
+            namespace, LAYERED, model.num_layers,
+        )  # fmt: skip  # the chunk size is in the version: in every record's key and identity
         cfg = self._config
         records = encode_layered(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
         return replace(meta, nbytes=sum(len(x) for x in records)), records

@@ -56,6 +56,19 @@ class Node:
     edge: bytes = b""
 
 
+@dataclass(eq=False)
+class Pin:
+    """One pin taken by `RadixTree.pin`: the very nodes it pinned, released once by `unpin`."""
+
+    nodes: tuple[Node, ...]
+    released: bool = False
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """The pinned blocks' keys."""
+        return tuple(node.key for node in self.nodes)
+
+
 class MatchResult(NamedTuple):
     """Result of `RadixTree.match`: the matched blocks in prefix order."""
 
@@ -141,20 +154,30 @@ class RadixTree:
         with self._lock:
             return self._by_key.get(key)
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Pin blocks so that `evict` never removes them. Mutates. KeyError if one is unknown."""
+    def pin(self, nodes: Sequence[Node]) -> Pin:
+        """Pin exactly these nodes so that `evict` never removes them. Mutates.
+
+        Returns the handle `unpin` takes. A pin belongs to the node objects, not to their
+        keys: a block removed and inserted again is a new node, which an older pin never
+        touches. KeyError (and nothing pinned) if a node is no longer in the tree.
+        """
         with self._lock:
-            nodes = [self._by_key[k] for k in keys]
+            for node in nodes:
+                if self._by_key.get(node.key) is not node:
+                    raise KeyError(node.key)
             for node in nodes:
                 node.pins += 1
+            return Pin(tuple(nodes))
 
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        """Undo one `pin` of each block. Mutates. Unknown keys (already removed) are skipped."""
+    def unpin(self, pin: Pin) -> None:
+        """Release `pin`: one pin of each of its nodes, once (a second call does nothing).
+        Mutates. Nodes removed since keep their count; no other node is touched."""
         with self._lock:
-            for key in keys:
-                node = self._by_key.get(key)
-                if node is not None and node.pins > 0:
-                    node.pins -= 1
+            if pin.released:
+                return
+            pin.released = True
+            for node in pin.nodes:
+                node.pins -= 1
 
     def is_pinned(self, key: bytes) -> bool:
         """Whether the block is pinned."""

@@ -55,19 +55,21 @@ def test_streams_in_flight_are_capped_in_total(server: Sidecar) -> None:
     num_tokens = (1 << 20) // TINY.token_bytes  # exactly max_store_bytes each
     tokens = make_tokens(num_tokens, seed=1)
     release = threading.Event()
-    header = pb.StoreRequest(header=pb.StoreHeader(ctx=ctx_to_pb(TINY, "flight"), tokens=tokens.tolist()))
     kv = make_kv(TINY, num_tokens, seed=1)
 
-    def held_stream() -> Iterator[pb.StoreRequest]:
-        yield header
+    def header(namespace: str) -> pb.StoreRequest:
+        return pb.StoreRequest(header=pb.StoreHeader(ctx=ctx_to_pb(TINY, namespace), tokens=tokens.tolist()))
+
+    def held_stream(namespace: str) -> Iterator[pb.StoreRequest]:
+        yield header(namespace)
         release.wait(60)
         yield pb.StoreRequest(slice=pb.KVSlice(start_token=0, num_tokens=num_tokens, data=kv.tobytes()))
 
-    with raw_stub(server.address) as stub:
-        held = [stub.Store.future(held_stream(), timeout=60) for _ in range(2)]
+    with raw_stub(server.address) as stub:  # two tenants (no auth: namespaces) of 1 MiB each
+        held = [stub.Store.future(held_stream(ns), timeout=60) for ns in ("flight-1", "flight-2")]
         assert wait_until(lambda: _metric(server, "kvsieve_inflight_store_bytes") == 2 << 20)
         with pytest.raises(grpc.RpcError) as info:  # a third 1 MiB stream does not fit
-            stub.Store(iter([header]), timeout=30)
+            stub.Store(iter([header("flight-3")]), timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_inflight_store_bytes" in (info.value.details() or "")
         release.set()

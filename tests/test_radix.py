@@ -73,11 +73,11 @@ def test_pinned_blocks_and_their_ancestors_survive_eviction() -> None:
     tree = RadixTree(B)
     a = build(tree, [1] * 8)
     b = build(tree, [2] * 4)
-    tree.pin([a[1]])
+    pin = tree.pin([tree.get(a[1])])  # type: ignore[list-item]
     removed = tree.evict(1000)
     assert [n.key for n in removed] == [b[0]]
     assert tree.match(ROOT, np.asarray([1] * 8)).num_tokens == 8
-    tree.unpin([a[1]])
+    tree.unpin(pin)
     assert {n.key for n in tree.evict(1000)} == set(a)
     assert tree.num_blocks == 0 and tree.total_bytes == 0
 
@@ -85,9 +85,28 @@ def test_pinned_blocks_and_their_ancestors_survive_eviction() -> None:
 def test_pin_unknown_key_raises_and_pins_nothing() -> None:
     tree = RadixTree(B)
     a = build(tree, [1] * 4)
+    gone = tree.get(a[0])
+    assert gone is not None
+    tree.remove(a[0])
+    b = build(tree, [2] * 4)
     with pytest.raises(KeyError):
-        tree.pin([a[0], b"missing"])
-    assert not tree.is_pinned(a[0])
+        tree.pin([tree.get(b[0]), gone])  # type: ignore[list-item]
+    assert not tree.is_pinned(b[0])
+
+
+def test_an_old_pin_never_releases_a_block_stored_again() -> None:
+    tree = RadixTree(B)
+    a = build(tree, [1] * 8)
+    old = tree.pin(tree.match(ROOT, np.asarray([1] * 8)).nodes)
+    tree.remove(a[1])  # dropped (a corrupt record) while pinned
+    assert build(tree, [1] * 8) == a  # stored again: a new node under the same key
+    new = tree.pin(tree.match(ROOT, np.asarray([1] * 8)).nodes)
+    tree.unpin(old)  # the old holder ends
+    tree.unpin(old)  # twice: still nothing more
+    assert tree.is_pinned(a[0]) and tree.is_pinned(a[1])  # the new pin holds both
+    assert tree.evict(1000) == [] and tree.num_blocks == 2
+    tree.unpin(new)
+    assert [n.key for n in tree.evict(1000)] == [a[1], a[0]]
 
 
 def test_access_counts_and_remove_subtree() -> None:

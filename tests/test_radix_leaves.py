@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from radix import RadixTree
+from radix.tree import Pin
 
 B = 4
 
@@ -17,6 +18,7 @@ def test_leaf_set_matches_a_full_scan_under_random_operations() -> None:
     rng = np.random.default_rng(7)
     tree = RadixTree(B)
     root = ("ns", "fp")
+    pins: dict[bytes, Pin] = {}
     for step in range(400):
         op = rng.integers(0, 10)
         keys = [n.key for n in tree.nodes()]
@@ -34,10 +36,10 @@ def test_leaf_set_matches_a_full_scan_under_random_operations() -> None:
             tree.remove(keys[int(rng.integers(0, len(keys)))])
         elif keys:
             key = keys[int(rng.integers(0, len(keys)))]
-            if tree.is_pinned(key):
-                tree.unpin([key])
+            if key in pins:
+                tree.unpin(pins.pop(key))
             else:
-                tree.pin([key])
+                pins[key] = tree.pin([tree.get(key)])  # type: ignore[list-item]
         assert set(tree._leaf_nodes) == childless(tree), f"after step {step}"
 
 
@@ -47,7 +49,7 @@ def test_evict_takes_only_unpinned_childless_nodes_lru_first() -> None:
     a = [tree.insert(root, None, np.arange(B), b"a", 10)]
     a.append(tree.insert(root, b"a", np.arange(B, 2 * B), b"a2", 10))
     tree.insert(root, None, np.full(B, 9), b"b", 10)
-    tree.pin([b"b"])
+    tree.pin([tree.get(b"b")])  # type: ignore[list-item]
     tree.match(root, np.arange(2 * B))  # a and a2 are the most recent now, but b is pinned
     evicted = [n.key for n in tree.evict(1000)]
     assert evicted == [b"a2", b"a"]  # the child first; the parent became a leaf after it

@@ -138,12 +138,11 @@ class StoreIndex:
     @contextmanager
     def held(self, nodes: Sequence[Node]) -> Iterator[None]:
         """Pin `nodes` for the duration (a store's parent chain must survive eviction)."""
-        keys = [n.key for n in nodes]
-        self.tree.pin(keys)
+        pin = self.tree.pin(nodes)
         try:
             yield
         finally:
-            self.tree.unpin(keys)
+            self.tree.unpin(pin)
 
     def block_bytes(self, key: bytes) -> int:
         """Encoded bytes of a listed block (0 if it is not listed)."""
@@ -154,7 +153,7 @@ class StoreIndex:
 
     def grant(self, match: MatchResult, ttl_s: float) -> Lease:
         """Pin the matched blocks for `ttl_s` seconds. Mutates."""
-        return self.leases.grant([n.key for n in match.nodes], ttl_s)
+        return self.leases.grant(match.nodes, ttl_s)
 
     def lease_keys(self, lease_id: str) -> tuple[bytes, ...]:
         """The block keys a live lease pins (empty if unknown)."""

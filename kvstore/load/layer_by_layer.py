@@ -34,6 +34,7 @@ from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array, check_layer
 from radix import MatchResult
+from radix.tree import Pin
 
 if TYPE_CHECKING:
     from kvstore.index.store_index import StoreIndex
@@ -60,13 +61,12 @@ def open_layered(
 ) -> LocalLayeredLoad:  # fmt: skip
     """A `LocalLayeredLoad` over the layered run of `match`, its blocks pinned (see module docstring)."""
     metas = layered_run(match, model)
-    keys = [m.key for m in metas]
-    try:
-        index.tree.pin(keys)
+    try:  # the matched nodes themselves: closing the load releases them, never a block stored again
+        pin: Pin | None = index.tree.pin(match.nodes[: len(metas)])
     except KeyError:  # a block was evicted between the match and the pin: nothing to read this way
-        metas, keys = [], []
+        metas, pin = [], None
     counters.add("layered_loads")
-    return LocalLayeredLoad(fetcher, index, metas, model, default_chunk_tokens, counters)
+    return LocalLayeredLoad(fetcher, index, metas, model, default_chunk_tokens, counters, pin=pin)
 
 
 class LocalLayeredLoad:
@@ -78,7 +78,7 @@ class LocalLayeredLoad:
 
     def __init__(
         self, fetcher: RecordFetcher, index: StoreIndex, metas: list[BlockMeta], model: ModelSpec,
-        default_chunk_tokens: int, counters: Counters,
+        default_chunk_tokens: int, counters: Counters, *, pin: Pin | None = None,
     ) -> None:  # fmt: skip
         self._fetcher, self._index, self._metas, self._model = fetcher, index, metas, model
         self._counters = counters
@@ -95,7 +95,7 @@ class LocalLayeredLoad:
         self._layers_read: set[int] = set()
         self._summaries: dict[int, Array] = {}
         self._lowbit: dict[int, LowBitKeys] = {}
-        self._pinned: list[bytes] | None = [m.key for m in metas]
+        self._pinned = pin  # released by `close`
         self._headers: dict[tuple[int, int], RangedHeader] = {}  # (block, layer): verified
 
     @property
@@ -148,11 +148,16 @@ class LocalLayeredLoad:
         self.delivered_tokens += kv.shape[2]
         return LayerSlice(np.concatenate(positions).astype(np.int64), kv)
 
+    @property
+    def pinned_keys(self) -> tuple[bytes, ...]:
+        """Keys of the blocks this load keeps pinned (empty once closed)."""
+        return () if self._pinned is None else self._pinned.keys
+
     def close(self) -> None:
-        """Release the pin. Idempotent."""
-        keys, self._pinned = self._pinned, None
-        if keys:
-            self._index.tree.unpin(keys)
+        """Release the pin: exactly the nodes `open_layered` pinned. Idempotent."""
+        pin, self._pinned = self._pinned, None
+        if pin is not None:
+            self._index.tree.unpin(pin)
 
     def __enter__(self) -> LocalLayeredLoad:
         return self

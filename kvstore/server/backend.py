@@ -23,6 +23,11 @@ class LowBitLayers(LayeredLoad, Protocol):
         """Layer `layer`'s summary over the matched prefix, as stored (codes, fp16 offset/step)."""
         ...
 
+    @property
+    def pinned_keys(self) -> tuple[bytes, ...]:
+        """Keys of the blocks the load keeps pinned until it is closed (empty once closed)."""
+        ...
+
 
 class SidecarStore(PrefixStore, Protocol):
     """A `PrefixStore` that can also answer the server's bookkeeping questions. Thread-safe."""

@@ -16,6 +16,7 @@ from kvstore.model import ModelSpec
 from kvstore.rpc.messages import kv_from_bytes
 from kvstore.rpc.shm import ServerArena, dense_view
 from kvstore.server.batch_wire import encode_batch
+from kvstore.server.limits import within
 from kvstore.values import LoadedChunk
 
 
@@ -113,12 +114,18 @@ def place_slice(kv: np.ndarray[Any, Any], part: pb.KVSlice, filled: int, kv_star
 
 
 async def receive_slices(
-    requests: AsyncIterator[pb.StoreRequest], model: ModelSpec, shape: tuple[int, ...], kv_start: int
-) -> Any:
-    """The KV a Store stream sends as slices after its header, checked to cover every token."""
+    requests: AsyncIterator[pb.StoreRequest], model: ModelSpec, shape: tuple[int, ...], kv_start: int,
+    idle_s: float,
+) -> Any:  # fmt: skip
+    """The KV a Store stream sends as slices after its header, checked to cover every token.
+
+    A client that sends nothing for `idle_s` seconds loses the stream (LimitExceededError), so a
+    stalled Store cannot keep its reservation of in-flight bytes.
+    """
     kv = np.empty(shape, model.np_dtype)
     filled = 0
-    async for message in requests:
+    refusal = f"Store: no slice for {idle_s:g} s (stream_idle_s); nothing was stored"
+    while (message := await within(anext(requests, None), idle_s, refusal)) is not None:
         if message.WhichOneof("part") != "slice":
             raise InvalidInputError("after the header, a Store stream carries only slices")
         filled = place_slice(kv, message.slice, filled, kv_start, model)

@@ -38,8 +38,16 @@ class ServerConfig:
         shm_namespace_bytes: shared-memory arenas one namespace may hold, in bytes.
         shm_total_bytes: shared-memory arenas of all clients, in bytes.
         shm_idle_s: an arena unused this long is unmapped.
-        layers_idle_s: a LoadLayers stream with no request for this long is ended (and its pin
-            released).
+        layers_idle_s: a LoadLayers stream whose client sends no request, or takes no answer
+            (a send blocked on flow control), for this long is ended (and its pin released).
+        stream_idle_s: a Store stream with no message (its header, then each slice) or a Load
+            stream whose client takes no answer for this long is ended, releasing what it holds.
+        namespace_max_streams: streams (Store, Load, LoadLayers) one tenant (its bearer token;
+            without auth, its namespace) may have open at once; 0 = a quarter of
+            max_concurrent_rpcs (see `streams_per_tenant`).
+        namespace_max_inflight_bytes: KV of one tenant's Store streams being received at once;
+            0 = half of max_inflight_store_bytes, at least max_store_bytes (see
+            `inflight_bytes_per_tenant`).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -65,6 +73,9 @@ class ServerConfig:
     shm_total_bytes: int = 4 << 30
     shm_idle_s: float = 60.0
     layers_idle_s: float = 30.0
+    stream_idle_s: float = 30.0
+    namespace_max_streams: int = 0
+    namespace_max_inflight_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -102,14 +113,46 @@ class ServerConfig:
             )
         if self.namespace_max_bytes < 0 or self.shm_idle_s <= 0:
             raise InvalidInputError("namespace_max_bytes must be >= 0 and shm_idle_s > 0")
-        if not 0 < self.layers_idle_s <= 3600:
-            raise InvalidInputError(f"layers_idle_s must be in (0, 3600], got {self.layers_idle_s}")
+        for name in ("layers_idle_s", "stream_idle_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise InvalidInputError(f"{name} must be in (0, 3600], got {getattr(self, name)}")
+        self._check_tenant_shares()
         if self.metrics_listen and not self.metrics_is_loopback and not self.metrics_allow_remote:
             raise InvalidInputError(
                 f"refusing to serve metrics on {self.metrics_listen}: the metrics endpoint has no auth "
                 "and shows every tenant's figures; bind a loopback address (127.0.0.1:PORT) or set "
                 "metrics_allow_remote (--metrics-allow-remote)"
             )
+
+    def _check_tenant_shares(self) -> None:
+        """A tenant's share of a server-wide limit must leave room for the others."""
+        streams = self.namespace_max_streams
+        if streams and not 1 <= streams < self.max_concurrent_rpcs:
+            raise InvalidInputError(
+                f"namespace_max_streams must be 0 (a quarter of max_concurrent_rpcs) or in [1, "
+                f"max_concurrent_rpcs={self.max_concurrent_rpcs}), got {streams}"
+            )
+        inflight = self.namespace_max_inflight_bytes
+        if inflight and not self.max_store_bytes <= inflight <= self.max_inflight_store_bytes:
+            raise InvalidInputError(
+                f"namespace_max_inflight_bytes must be 0 (half of max_inflight_store_bytes) or in "
+                f"[max_store_bytes={self.max_store_bytes}, max_inflight_store_bytes="
+                f"{self.max_inflight_store_bytes}], got {inflight}"
+            )
+
+    @property
+    def streams_per_tenant(self) -> int:
+        """Streams one tenant may have open: `namespace_max_streams`, or a quarter of
+        `max_concurrent_rpcs` (at least 1), so that grpc's server-wide cap is never one tenant's."""
+        return self.namespace_max_streams or max(1, self.max_concurrent_rpcs // 4)
+
+    @property
+    def inflight_bytes_per_tenant(self) -> int:
+        """Store bytes one tenant may have in flight: `namespace_max_inflight_bytes`, or half of
+        `max_inflight_store_bytes` (at least `max_store_bytes`, so one Store of any allowed size fits)."""
+        return self.namespace_max_inflight_bytes or max(
+            self.max_store_bytes, self.max_inflight_store_bytes // 2
+        )
 
     @property
     def metrics_is_loopback(self) -> bool:

@@ -4,40 +4,52 @@ The engine cannot say which chunks of layer L it needs before it has computed
 layer L's queries, so the load is a conversation: the client opens the prefix,
 then per layer asks for the key summary and, once it has chosen, for the chunks.
 Each request gets exactly one answer. The store's `LayeredLoad` pins the blocks
-for the stream's lifetime; a client that goes quiet for `idle_s` loses the stream
-(and the pin), so an idle or vanished engine cannot hold blocks forever.
+for the stream's lifetime, and the pin counts against the namespace's pin quota
+like a lease. Every wait on the client is bounded by `idle_s`: for `open`, for each
+request, and for each answer to be taken (a send blocked on flow control by a
+client that stops reading), so an idle, stalled or vanished engine loses the
+stream and the pin within `idle_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from importance.lowbit import LowBitKeys, pack_codes
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
-from kvstore.errors import InvalidInputError, LimitExceededError
+from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 from kvstore.server.backend import LowBitLayers, SidecarStore
-from kvstore.server.limits import check_token_count
+from kvstore.server.limits import check_token_count, within
 
 Array = np.ndarray[Any, Any]
-#: ctx -> (model, namespace, caller's token); raises when the caller may not use the namespace.
+#: ctx -> (model, namespace, caller's token); raises when the caller may not use the namespace
+#: (or, a stream slot being taken for it, has too many streams open).
 Authorise = Callable[[pb.RequestContext], tuple[ModelSpec, str, str | None]]
+#: (namespace, pinned block keys) -> the pin counted against the namespace's quota while open.
+HoldPins = Callable[[str, tuple[bytes, ...]], AbstractContextManager[None]]
+#: Writes one answer to the client (grpc's `context.write`).
+Send = Callable[[pb.LayersResponse], Awaitable[None]]
 
 
 async def serve_layers(
     store: SidecarStore,
     requests: AsyncIterator[pb.LayersRequest],
+    send: Send,
     authorise: Authorise,
+    hold_pins: HoldPins,
     *,
     max_tokens: int,
     max_message_bytes: int,
     idle_s: float,
-) -> AsyncIterator[pb.LayersResponse]:
-    """Answer one LoadLayers stream (see module docstring)."""
+) -> None:
+    """Answer one LoadLayers stream (see module docstring). Raises LimitExceededError when the
+    client keeps it waiting `idle_s` seconds; the load is closed (its pin released) on every exit."""
     first = await _next(requests, idle_s)
     if first is None or first.WhichOneof("part") != "open":
         raise InvalidInputError("a LoadLayers stream must start with `open`")
@@ -45,29 +57,37 @@ async def serve_layers(
     tokens = _open_tokens(first.open, max_tokens)
     load = await asyncio.to_thread(store.open_layers, tokens, model=model, namespace=namespace)
     try:
-        yield pb.LayersResponse(
-            header=pb.LayersHeader(
-                matched_tokens=load.matched_tokens, chunk_tokens=load.chunk_tokens,
-                num_layers=load.num_layers, prefix_bytes=load.prefix_bytes, summary_bytes=load.summary_bytes,
-            )
-        )  # fmt: skip
-        if not load.matched_tokens:
-            return
-        while (message := await _next(requests, idle_s)) is not None:
-            if message.WhichOneof("part") != "read":
-                raise InvalidInputError("after `open`, a LoadLayers stream carries only `read` requests")
-            answer = await asyncio.to_thread(_answer, load, message.read, model, max_message_bytes)
-            answer.bytes_read, answer.delivered_tokens = load.bytes_read, load.delivered_tokens
-            yield answer
+        with hold_pins(namespace, load.pinned_keys):
+            await _send(send, _header(load), idle_s)
+            if not load.matched_tokens:
+                return
+            while (message := await _next(requests, idle_s)) is not None:
+                if message.WhichOneof("part") != "read":
+                    raise InvalidInputError("after `open`, a LoadLayers stream carries only `read` requests")
+                answer = await asyncio.to_thread(_answer, load, message.read, model, max_message_bytes)
+                answer.bytes_read, answer.delivered_tokens = load.bytes_read, load.delivered_tokens
+                await _send(send, answer, idle_s)
     finally:
         load.close()
 
 
+def _header(load: LowBitLayers) -> pb.LayersResponse:
+    return pb.LayersResponse(
+        header=pb.LayersHeader(
+            matched_tokens=load.matched_tokens, chunk_tokens=load.chunk_tokens,
+            num_layers=load.num_layers, prefix_bytes=load.prefix_bytes, summary_bytes=load.summary_bytes,
+        )
+    )  # fmt: skip
+
+
 async def _next(requests: AsyncIterator[pb.LayersRequest], idle_s: float) -> pb.LayersRequest | None:
-    try:
-        return await asyncio.wait_for(anext(requests, None), idle_s)
-    except TimeoutError:
-        raise LimitExceededError(f"LoadLayers: no request for {idle_s:g} s; the load was released") from None
+    refusal = f"LoadLayers: no request for {idle_s:g} s (layers_idle_s); the load was released"
+    return await within(anext(requests, None), idle_s, refusal)
+
+
+async def _send(send: Send, answer: pb.LayersResponse, idle_s: float) -> None:
+    refusal = f"LoadLayers: the client took no answer for {idle_s:g} s (layers_idle_s); the load was released"
+    await within(send(answer), idle_s, refusal)
 
 
 def _open_tokens(request: pb.LayersOpen, max_tokens: int) -> Array:

@@ -4,6 +4,12 @@ Store calls block (LMDB, numpy), so they run in worker threads and the event
 loop stays free for other streams; so does any Lookup longer than a few
 thousand tokens. Limits and tenant quotas are checked before the work they
 bound (see kvstore.server.limits).
+
+Streams (Store, Load, LoadLayers) write their answers with `context.write` under an
+idle limit and read each request under one, so no wait on a client is unbounded;
+each holds one of its tenant's stream slots until grpc has finished the call (its
+status delivered or the call cancelled), because until then the call also holds
+one of grpc's `max_concurrent_rpcs`.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -34,11 +41,15 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.layers import serve_layers
 from kvstore.server.limits import (
     ByteBudget,
+    StreamSlot,
+    StreamSlots,
     TenantLeases,
     check_token_count,
     request_tokens,
+    tenant_of,
     token_count,
     tokens_array,
+    within,
 )
 from kvstore.server.metrics import Metrics
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
@@ -66,7 +77,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         )  # fmt: skip
         quota = _pinned_quota(store, config)
         self.leases = TenantLeases(config.namespace_max_leases, quota, self._block_bytes)
-        self._inflight = ByteBudget(config.max_inflight_store_bytes, "max_inflight_store_bytes")
+        self._inflight = ByteBudget(
+            config.max_inflight_store_bytes, "max_inflight_store_bytes",
+            config.inflight_bytes_per_tenant, "namespace_max_inflight_bytes",
+        )  # fmt: skip
+        self._streams = StreamSlots(config.streams_per_tenant, "namespace_max_streams")
         self._tenants = TenantCounters()
         metrics.inflight_store_bytes.set_function(lambda: self._inflight.used)
         metrics.arenas.set_function(lambda: len(self.arenas))
@@ -90,26 +105,31 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     @override
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
         async with self._guard(context), self._streaming():
-            first = await anext(aiter(request_iterator), None)
+            slot, idle = self._stream_slot(context), self._config.stream_idle_s
+            refusal = f"Store: no header for {idle:g} s (stream_idle_s)"
+            first = await within(anext(aiter(request_iterator), None), idle, refusal)
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidInputError("a Store stream must start with a header")
             header = first.header
             model, namespace, token = self._authorised(context, header.ctx)
+            tenant = tenant_of(token, namespace)
+            slot.claim(tenant)
             tokens = tokens_array(header.tokens, self._config.max_store_tokens, "max_store_tokens")
             kv_start = header.kv_start
             if kv_start > len(tokens):
                 raise InvalidInputError(f"kv_start {kv_start} is beyond the {len(tokens)} tokens")
             nbytes = self._store_bytes(model, len(tokens) - kv_start)
             await self._check_namespace_bytes(namespace)
-            with self._inflight.reserve(nbytes):  # before the allocation it bounds
+            with self._inflight.reserve(nbytes, tenant):  # before the allocation it bounds
                 shape = model.kv_shape(len(tokens) - kv_start)
                 if header.arena_id:
                     owner = Owner(token, namespace)
                     kv = await asyncio.to_thread(self._kv_from_arena, header.arena_id, owner, model, shape)
-                    if await anext(aiter(request_iterator), None) is not None:
+                    refusal = f"Store: no end of stream for {idle:g} s (stream_idle_s)"
+                    if await within(anext(aiter(request_iterator), None), idle, refusal) is not None:
                         raise InvalidInputError("a Store through an arena carries no slices")
                 else:
-                    kv = await receive_slices(request_iterator, model, shape, kv_start)
+                    kv = await receive_slices(request_iterator, model, shape, kv_start, idle)
                 scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
                 result = await asyncio.to_thread(
                     self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
@@ -124,23 +144,23 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             )
 
     @override
-    async def Load(self, request: pb.LoadRequest, context: Any) -> AsyncIterator[pb.LoadResponse | bytes]:
+    async def Load(self, request: pb.LoadRequest, context: Any) -> None:
         async with self._guard(context), self._streaming():
-            started = time.perf_counter()
+            slot, started = self._stream_slot(context), time.perf_counter()
             model, namespace, token = self._authorised(context, request.ctx)
+            slot.claim(tenant_of(token, namespace))
             check_token_count(token_count(request), self._config.max_lookup_tokens, "max_lookup_tokens")
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
             try:
                 stream = await asyncio.to_thread(self._load, request, model, namespace)
-                yield pb.LoadResponse(
-                    header=pb.LoadHeader(
-                        matched_tokens=stream.matched_tokens,
-                        selected_tokens=stream.selected_tokens,
-                        shm=arena is not None,
-                        packed_tokens=True,
-                        shm_by_position=arena is not None and request.shm_by_position,
-                    )
+                header = pb.LoadHeader(
+                    matched_tokens=stream.matched_tokens,
+                    selected_tokens=stream.selected_tokens,
+                    shm=arena is not None,
+                    packed_tokens=True,
+                    shm_by_position=arena is not None and request.shm_by_position,
                 )
+                await self._send_load(context, pb.LoadResponse(header=header))
                 writer = ChunkWriter(
                     stream, arena, model, packed_positions=request.packed_positions,
                     by_position=request.shm_by_position,
@@ -148,38 +168,40 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 limit = self._config.max_message_bytes // 2
                 batches = (_CHUNKS_PER_MESSAGE, limit, _SHM_CHUNKS_PER_MESSAGE)
                 while message := await asyncio.to_thread(writer.next_batch, *batches):
-                    yield message
+                    await self._send_load(context, message)
             finally:
                 if arena is not None:
                     self.arenas.done(request.arena_id)
-            yield pb.LoadResponse(
-                trailer=pb.LoadTrailer(
-                    num_tokens=stream.num_tokens,
-                    bytes_read=stream.bytes_read,
-                    read_amplification=stream.read_amplification,
-                    delivered_tokens=stream.delivered_tokens,
-                    delivered_fraction=stream.delivered_fraction,
-                    read_fraction=stream.read_fraction,
-                    estimated_coverage=stream.estimated_coverage,
-                )
+            trailer = pb.LoadTrailer(
+                num_tokens=stream.num_tokens,
+                bytes_read=stream.bytes_read,
+                read_amplification=stream.read_amplification,
+                delivered_tokens=stream.delivered_tokens,
+                delivered_fraction=stream.delivered_fraction,
+                read_fraction=stream.read_fraction,
+                estimated_coverage=stream.estimated_coverage,
             )
+            await self._send_load(context, pb.LoadResponse(trailer=trailer))
             self._tenants.add(namespace, {"loads": 1, "bytes_read": stream.bytes_read})
             self._metrics.load_seconds.observe(time.perf_counter() - started)
             if stream.selected_tokens:
                 self._metrics.read_amplification.observe(stream.read_amplification)
 
     @override
-    async def LoadLayers(
-        self, request_iterator: AsyncIterator[pb.LayersRequest], context: Any
-    ) -> AsyncIterator[pb.LayersResponse]:
+    async def LoadLayers(self, request_iterator: AsyncIterator[pb.LayersRequest], context: Any) -> None:
         async with self._guard(context), self._streaming():
-            answers = serve_layers(
-                self._store, request_iterator, lambda ctx: self._authorised(context, ctx),
+            slot = self._stream_slot(context)
+
+            def authorise(ctx: pb.RequestContext) -> tuple[ModelSpec, str, str | None]:
+                model, namespace, token = self._authorised(context, ctx)
+                slot.claim(tenant_of(token, namespace))
+                return model, namespace, token
+
+            await serve_layers(
+                self._store, request_iterator, context.write, authorise, self._hold_pins,
                 max_tokens=self._config.max_lookup_tokens, max_message_bytes=self._config.max_message_bytes,
                 idle_s=self._config.layers_idle_s,
             )  # fmt: skip
-            async for answer in answers:
-                yield answer
 
     @override
     async def ReportScores(self, request: pb.ReportScoresRequest, context: Any) -> pb.ReportScoresResponse:
@@ -263,6 +285,26 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         validate_namespace(namespace)
         self._auth.check(token, namespace)
         return Owner(token, namespace)
+
+    def _stream_slot(self, context: Any) -> StreamSlot:
+        """The call's slot among its tenant's streams: taken now when the bearer token names the
+        tenant (else by the caller once the namespace is known), given back when grpc has
+        finished the call, not when the handler returns: a status queued behind answers the
+        client does not read keeps the call, and one of grpc's call slots, alive."""
+        slot = StreamSlot(self._streams)
+        context.add_done_callback(slot.release)
+        if self._auth.enabled:
+            slot.claim(tenant_of(self._auth.caller(context.invocation_metadata()), ""))
+        return slot
+
+    async def _send_load(self, context: Any, message: pb.LoadResponse | bytes) -> None:
+        idle = self._config.stream_idle_s
+        refusal = f"Load: the client took no answer for {idle:g} s (stream_idle_s); the load was ended"
+        await within(context.write(message), idle, refusal)
+
+    def _hold_pins(self, namespace: str, keys: tuple[bytes, ...]) -> AbstractContextManager[None]:
+        """A LoadLayers stream's pin, counted against its namespace's pin quota while it lives."""
+        return self.leases.holding(namespace, keys)
 
     def _tokens(self, tokens: Any) -> np.ndarray[Any, Any]:
         return tokens_array(tokens, self._config.max_lookup_tokens, "max_lookup_tokens")

@@ -139,11 +139,12 @@ class KVClient:
             )
         except grpc.RpcError as exc:
             error = domain_error(exc)
+            # Never reuse an arena whose Store failed: after a client-side deadline the server
+            # may still be copying from it, and a reuse would tear that store (docs/sidecar.md).
+            self._arenas.discard(arena)
             if isinstance(error, NotFoundError):  # swept or busy there: slices instead
-                self._arenas.discard(arena)
                 header.arena_id = ""
                 return None
-            self._arenas.give(arena)
             raise error from None
         self._arenas.give(arena)
         return StoreResult(reply.num_tokens, reply.new_blocks, reply.bytes_written)

@@ -46,11 +46,42 @@ def tenant_of(token: str | None, namespace: str) -> Tenant:
 
 async def within(step: Awaitable[T], idle_s: float, refusal: str) -> T:
     """`step`'s result, or LimitExceededError(`refusal`) when the client made it wait `idle_s`
-    seconds (a request that does not come, an answer it does not take)."""
+    seconds (a request that does not come, an answer it does not take).
+
+    Not `asyncio.wait_for`: cancelled (the client went away), wait_for waits until the step
+    itself ends, and a gRPC write blocked on flow control ends only when the call does, so
+    the handler (and the pin or arena it holds) would outlive the client. `asyncio.wait`
+    returns at once; the abandoned step is cancelled and left to end with the call.
+    """
+    task = asyncio.ensure_future(step)
     try:
-        return await asyncio.wait_for(step, idle_s)
-    except TimeoutError:
-        raise LimitExceededError(refusal) from None
+        done, _ = await asyncio.wait({task}, timeout=idle_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise LimitExceededError(refusal)
+    return task.result()
+
+
+async def write_or_gone(context: Any, message: Any, poll_s: float = 0.25) -> None:
+    """`context.write(message)`, ended (CancelledError) as soon as grpc says the call is over.
+
+    A write blocked on flow control does not always learn that the client died: the handler
+    would then hold its pin or arena until the idle limit. So the call's state is polled too.
+    """
+    task = asyncio.ensure_future(context.write(message))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if context.done():
+                raise asyncio.CancelledError("the call ended while an answer waited to be sent")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 class ByteBudget:

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-import grpc
 import numpy as np
 from typing_extensions import override
 
@@ -33,12 +32,12 @@ from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
 from kvstore.rpc.messages import budget_from_fields, ctx_from_pb, stats_to_pb
 from kvstore.rpc.shm import ServerArena
-from kvstore.rpc.status import status_of
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.backend import SidecarStore
 from kvstore.server.chunks import ChunkWriter, receive_slices
 from kvstore.server.config import ServerConfig
+from kvstore.server.guard import CallGuard, StreamGauge
 from kvstore.server.layers import serve_layers
 from kvstore.server.limits import (
     ByteBudget,
@@ -383,40 +382,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _block_bytes(self, key: bytes) -> int:
         return self._store.block_bytes(key)
 
-    def _guard(self, context: Any) -> _Guard:
-        return _Guard(context)
+    def _guard(self, context: Any) -> CallGuard:
+        return CallGuard(context)
 
-    def _streaming(self) -> _Streaming:
-        return _Streaming(self._metrics)
-
-
-class _Guard:
-    """Maps any error raised inside to a status (kvstore.rpc.status), then aborts."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError)):
-            return
-        if not isinstance(exc, Exception):
-            return
-        status = status_of(exc, "KVCache")
-        await self._context.abort(status.code, status.details)
-
-
-class _Streaming:
-    def __init__(self, metrics: Metrics) -> None:
-        self._gauge = metrics.active_streams
-
-    async def __aenter__(self) -> None:
-        self._gauge.inc()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._gauge.dec()
+    def _streaming(self) -> StreamGauge:
+        return StreamGauge(self._metrics)
 
 
 def _pinned_quota(store: SidecarStore, config: ServerConfig) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,13 @@ class World:
     def stats(self) -> StoreStats:
         with KVClient(self.sidecar.address) as client:
             return client.stats()
+
+    def settled(self, blocks_written: int, timeout_s: float = 60) -> StoreStats:
+        """The sidecar's stats once it counts `blocks_written` (saves are sent in the background)."""
+        deadline = time.monotonic() + timeout_s
+        while (stats := self.stats()).get("blocks_written") < blocks_written and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return stats
 
     def start(self, name: str) -> DriverProcess:
         return DriverProcess(
@@ -125,7 +133,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 def test_outputs_identical_with_and_without_connector_while_blocks_load(world: World) -> None:
     prompts = world.prompts[:3]
     first = world.a.ask(prompts, MAX_TOKENS)["outputs"]  # nothing cached yet: computed and stored
-    stored = world.stats()
+    stored = world.settled(3 * BLOCKS_PER_PROMPT)
     assert stored.get("blocks_written") == 3 * BLOCKS_PER_PROMPT
     second = world.a.ask(prompts, MAX_TOKENS)["outputs"]  # loaded from the sidecar
     loaded = world.stats()
@@ -168,7 +176,7 @@ def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) 
         # Two processes on one sidecar: what B stores, A loads.
         fresh = world.prompts[3]
         assert b.ask([fresh], MAX_TOKENS)["outputs"] == [world.baseline[3]]
-        assert world.stats().get("blocks_written") == BLOCKS_PER_PROMPT
+        assert world.settled(BLOCKS_PER_PROMPT).get("blocks_written") == BLOCKS_PER_PROMPT
         before = world.stats().get("loads")
         assert world.a.ask([fresh], MAX_TOKENS)["outputs"] == [world.baseline[3]]
         assert world.stats().get("loads") == before + 1

@@ -6,13 +6,19 @@ round trip against a per-token reference written with plain loops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from bench.sidecar import Sidecar
 from engine_adapter.vllm import layout
 from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import LoadOp, RequestTracker, SaveOp, ScheduledRequest
@@ -38,6 +44,8 @@ def test_settings_from_extra_config() -> None:
         ({"namespace": ""}, "namespace"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"block_tokens": 0}, "block_tokens"),
+        ({"save_queue_bytes": 0}, "save_queue_bytes"),
+        ({"save_queue_bytes": 1.5}, "save_queue_bytes"),
         ({"adress": "x:1"}, "adress"),
     ],
 )
@@ -160,6 +168,21 @@ def test_scatter_round_trip_in_any_token_order_touches_nothing_else() -> None:
                     )
 
 
+def test_copied_blocks_give_the_gathered_kv_of_any_token_range() -> None:
+    layers = _cache(seed=7)
+    table = [7, 2, 9, 4]
+    positions = np.arange(5, 29)  # starts and ends inside a block
+    want = layout.gather(layers, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
+    blocks = layout.copy_blocks(layers, table)
+    assert blocks.shape == (SPEC.num_layers, 4, SPEC.num_kv_heads, BLOCK, 2 * SPEC.head_dim)
+    assert not any(np.shares_memory(layout.to_numpy(blocks), layout.to_numpy(t)) for t in layers)
+    got = layout.blocks_to_kv(blocks, SPEC.head_dim, 5, 24)
+    assert got.shape == SPEC.kv_shape(24) and got.dtype == SPEC.np_dtype
+    assert np.array_equal(got.view(np.uint16), layout.to_numpy(want).view(np.uint16))
+    with pytest.raises(InvalidInputError, match="copied blocks"):
+        layout.blocks_to_kv(blocks, SPEC.head_dim, 5, 28)
+
+
 def test_numpy_bfloat16_round_trip_shares_memory() -> None:
     kv = layout.gather(_cache(), layout.slots_of(np.arange(8), [1], BLOCK), SPEC.head_dim)
     arr = layout.to_numpy(kv)
@@ -219,11 +242,20 @@ def test_guard_warns_once_per_outage_and_skips_until_retry(caplog: pytest.LogCap
 # -- worker side against a real embedded store (no vLLM) ------------------------------
 
 
-def _worker(store: object, layers: list[torch.Tensor]) -> WorkerSide:
+def _worker(
+    store: object, layers: list[torch.Tensor], namespace: str = "default", queue_bytes: int = 1 << 20
+) -> WorkerSide:
     # TieredStore and KVClient share method names and signatures: the worker takes either.
-    worker = WorkerSide(store, SPEC, "default", BLOCK, SidecarGuard(30))
+    worker = WorkerSide(store, SPEC, namespace, BLOCK, SidecarGuard(30), save_queue_bytes=queue_bytes)
     worker.register({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)})
     return worker
+
+
+def _sent(worker: WorkerSide) -> int:
+    """Wait for the worker's saves to be sent, stop its sender; the new blocks stored."""
+    assert worker.flush(30)
+    assert worker.close(5) and not worker.saves.running
+    return worker.saved_blocks
 
 
 def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
@@ -234,7 +266,8 @@ def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
     tokens = tuple(range(1, 41))
     with TieredStore(config) as store:
         source = _worker(store, _cache(seed=3))
-        assert source.save((SaveOp("a", tokens[:32], 0, (4, 6, 1, 0)),)) == 2
+        assert source.save((SaveOp("a", tokens[:32], 0, (4, 6, 1, 0)),)) == 1
+        assert _sent(source) == 2
         target = _worker(store, _cache(seed=4))
         outcome = target.start_load((LoadOp("b", tokens[:32], 8, 32, (9, 8, 7, 10)),))
         assert outcome[0].written_tokens == 24 and not outcome[0].failed_blocks
@@ -242,6 +275,7 @@ def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
         want = layout.gather(source.layers, layout.slots_of(np.arange(8, 32), (4, 6, 1, 0), BLOCK), 4)
         assert torch.equal(got, want)
         assert target.take_failed_blocks() == set()
+        assert target.close(5)
 
 
 def test_worker_reports_every_block_of_a_failed_load(caplog: pytest.LogCaptureFixture) -> None:
@@ -269,7 +303,9 @@ def test_short_load_fails_the_rest_warns_and_skips_the_steps_saves(
     config = StoreConfig(data_dir=tmp_path / "d", block_tokens=16, chunk_tokens=8, memory_bytes=1 << 20)
     tokens = tuple(range(1, 65))
     with TieredStore(config) as store:
-        assert _worker(store, _cache(seed=5)).save((SaveOp("a", tokens[:16], 0, (0, 1)),)) == 1
+        first = _worker(store, _cache(seed=5))
+        assert first.save((SaveOp("a", tokens[:16], 0, (0, 1)),)) == 1
+        assert _sent(first) == 1
         worker = _worker(store, _cache(seed=6))
         # The scheduler was promised 48 tokens; only the first block is there (evicted since, say).
         with caplog.at_level(logging.WARNING):
@@ -279,10 +315,105 @@ def test_short_load_fails_the_rest_warns_and_skips_the_steps_saves(
         assert any("delivered 16 of 48" in r.getMessage() for r in caplog.records)
         # In that step, KV computed after the hole is wrong: nothing may be stored.
         assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 0
+        assert worker.flush(30) and worker.saves.stats().sent == 0
         assert store.lookup(tokens, model=SPEC).num_tokens == 16
         # The next step stores again.
         worker.start_load(())
-        assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 3
+        assert worker.save((SaveOp("b", tokens[:64], 16, (3, 4, 5, 6, 7, 8, 9, 10)),)) == 1
+        assert _sent(worker) == 3
+
+
+# -- saves off the critical path, against a real sidecar ------------------------------
+
+SAVE_TOKENS = 32  # one block of the conftest sidecar (--block-tokens 32), four vLLM blocks of BLOCK
+
+
+@contextlib.contextmanager
+def _stopped(sidecar: Sidecar) -> Iterator[None]:
+    """The sidecar process frozen (SIGSTOP): connections stay open, nothing answers."""
+    assert sidecar.proc is not None
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+
+
+def _prompt(i: int) -> tuple[int, ...]:
+    return tuple(range(1000 * i + 1, 1000 * i + 1 + SAVE_TOKENS))
+
+
+def test_full_save_queue_drops_and_counts_without_blocking(sidecar: Sidecar) -> None:
+    from kvstore.client.kvclient import KVClient
+
+    save_bytes = 4 * SPEC.num_layers * _cache()[0][0].nbytes  # four vLLM blocks of every layer
+    with KVClient(sidecar.address, timeout_s=30) as client:
+        client.stats()  # connected before the freeze
+        worker = _worker(client, _cache(seed=8), "save-full", queue_bytes=3 * save_bytes)
+        took = []
+        with _stopped(sidecar):
+            for i in range(8):
+                t0 = time.perf_counter()
+                worker.save((SaveOp(f"r{i}", _prompt(i), 0, (4, 6, 1, 0)),))
+                took.append(time.perf_counter() - t0)
+            stats = worker.saves.stats()
+            # Three fit (the one being sent to the frozen sidecar included), five were dropped.
+            assert (stats.dropped, stats.sent, stats.queued_bytes) == (5, 0, 3 * save_bytes)
+        assert max(took) < 0.5, took
+        assert _sent(worker) == 3
+        assert worker.saves.stats() == (0, 0, 3, 5)
+        found = [client.lookup(_prompt(i), model=SPEC, namespace="save-full").num_tokens for i in range(8)]
+        assert found == [SAVE_TOKENS] * 3 + [0] * 5
+        # Closed: a later save is dropped and counted, no thread starts again.
+        assert worker.save((SaveOp("late", _prompt(9), 0, (4, 6, 1, 0)),)) == 0
+        assert worker.saves.stats().dropped == 6 and not worker.saves.running
+
+
+def test_saved_bytes_are_those_of_the_copy_not_of_the_reused_blocks(sidecar: Sidecar) -> None:
+    from kvstore.client.kvclient import KVClient
+
+    table = (4, 6, 1, 0)
+    with KVClient(sidecar.address, timeout_s=30) as client:
+        client.stats()
+        source = _worker(client, _cache(seed=9), "save-copy")
+        at_save = [t.clone() for t in source.layers]
+        with _stopped(sidecar):  # the send cannot happen before vLLM reuses the blocks
+            assert source.save((SaveOp("r", _prompt(0), 0, table),)) == 1
+            for layer, other in zip(source.layers, _cache(seed=10), strict=True):
+                layer.copy_(other)  # vLLM frees the blocks and writes another request there
+            assert source.saves.stats().queued_bytes > 0  # not sent yet
+        assert _sent(source) == 1
+        target = _worker(client, _cache(seed=11), "save-copy")
+        assert (
+            target.start_load((LoadOp("b", _prompt(0), 0, SAVE_TOKENS, (9, 8, 7, 10)),))[0].written_tokens
+            == 32
+        )
+        positions = np.arange(SAVE_TOKENS)
+        got = layout.gather(target.layers, layout.slots_of(positions, (9, 8, 7, 10), BLOCK), SPEC.head_dim)
+        want = layout.gather(at_save, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
+        reused = layout.gather(source.layers, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
+        assert torch.equal(got, want) and not torch.equal(got, reused)
+        assert target.close(5)
+
+
+def test_shutdown_with_a_frozen_sidecar_stops_the_sender_in_bounded_time(
+    sidecar: Sidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.client.kvclient import KVClient
+
+    with KVClient(sidecar.address, timeout_s=2) as client:
+        client.stats()
+        worker = _worker(client, _cache(seed=12), "save-close")
+        with _stopped(sidecar), caplog.at_level(logging.INFO):
+            assert worker.save(tuple(SaveOp(f"r{i}", _prompt(i), 0, (4, 6, 1, 0)) for i in range(3))) == 3
+            t0 = time.perf_counter()
+            stopped = worker.close(1)  # drain for 1 s; the send in flight ends by its 2 s deadline
+            elapsed = time.perf_counter() - t0
+        assert stopped and not worker.saves.running
+        assert 1 <= elapsed < 4, elapsed
+        stats = worker.saves.stats()
+        assert stats.sent + stats.dropped == 3 and stats.queued_bytes == 0 and worker.saved_blocks == 0
+        assert any("kvsieve saves: " in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,8 @@ class KVSieveConnector(KVConnectorBase_V1):
         )
         s = self.settings
         self.tracker = RequestTracker(self.block_size, s.block_tokens, loads=s.loads, saves=s.saves)
-        self.worker = WorkerSide(self.client, self.spec, s.namespace, self.block_size, self.guard)
+        self.worker = WorkerSide(self.client, self.spec, s.namespace, self.block_size, self.guard,
+                                 s.save_queue_bytes)  # fmt: skip
         logger.info("KVSieveConnector (%s) on %s, namespace %r, mode %s, model %s (%s), fingerprint %s",
                     role.name, s.store, s.namespace, s.mode, self.spec.name, self.spec.dtype,
                     self.spec.fingerprint.hex())  # fmt: skip
@@ -110,7 +111,7 @@ class KVSieveConnector(KVConnectorBase_V1):
         return KVSieveMetadata(self.tracker.plan(scheduled_requests(scheduler_output)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves already ran, so vLLM may free its blocks now."""
+        """Forget the request; its saves were copied out already, so vLLM may free its blocks now."""
         self.tracker.forget(request.request_id)
         return False, None
 
@@ -137,7 +138,8 @@ class KVSieveConnector(KVConnectorBase_V1):
         """Nothing per layer: `wait_for_save` stores all layers after the forward pass."""
 
     def wait_for_save(self) -> None:
-        """Store the new full blocks of prompts whose prefill finished in this step."""
+        """Copy out the new full blocks of prompts whose prefill finished in this step and queue
+        them for the background sender (the step does not wait for the sidecar)."""
         if self.has_connector_metadata():
             self.worker.save(self._plan().saves)
 
@@ -146,7 +148,8 @@ class KVSieveConnector(KVConnectorBase_V1):
         return self.worker.take_failed_blocks()
 
     def shutdown(self) -> None:
-        """Close the sidecar channel."""
+        """Send the queued saves (within `timeout_s`), stop the sender, close the sidecar channel."""
+        self.worker.close(self.settings.timeout_s)
         self.client.close()
 
     def _plan(self) -> StepPlan:

@@ -10,6 +10,7 @@ warning per outage (and one line when the sidecar answers again).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -20,7 +21,8 @@ logger = logging.getLogger("kvsieve.vllm")
 
 
 class SidecarGuard:
-    """Runs sidecar calls behind a circuit breaker. Not thread-safe (one per connector role).
+    """Runs sidecar calls behind a circuit breaker. Thread-safe (the worker's loads and its
+    sender thread's stores share one, so an outage is warned about once).
 
     Args:
         retry_after_s: how long calls are skipped after a failure.
@@ -37,6 +39,7 @@ class SidecarGuard:
         self._retry_after_s = retry_after_s
         self._clock = clock
         self.log = log
+        self._lock = threading.Lock()  # held for the breaker's state, never during a call
         self._skip_until = float("-inf")
         self._failing = False
         self.failures = 0
@@ -54,24 +57,27 @@ class SidecarGuard:
             what: the operation, for the log ("lookup", "load", "store").
             fn: the call to make.
         """
-        if not self.available:
-            self.skipped += 1
-            return None
+        with self._lock:
+            if not self.available:
+                self.skipped += 1
+                return None
         try:
             result = fn()
         except Exception as exc:
             self._fail(what, exc)
             return None
-        if self._failing:
-            self._failing = False
+        with self._lock:
+            recovered, self._failing = self._failing, False
+        if recovered:
             self.log.info("kvsieve sidecar answers again (%s succeeded)", what)
         return result
 
     def _fail(self, what: str, exc: Exception) -> None:
-        self.failures += 1
-        self._skip_until = self._clock() + self._retry_after_s
-        if not self._failing:
-            self._failing = True
+        with self._lock:
+            self.failures += 1
+            self._skip_until = self._clock() + self._retry_after_s
+            first, self._failing = not self._failing, True
+        if first:
             self.log.warning(
                 "kvsieve sidecar %s failed (%s: %s): vLLM computes instead of loading; "
                 "next try in %.0f s, no further warning until it answers",

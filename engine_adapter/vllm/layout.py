@@ -73,6 +73,41 @@ def gather(layers: Sequence[torch.Tensor], slots: Slots, head_dim: int) -> torch
     return torch.stack(per_layer)
 
 
+def copy_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """A copy of whole cache blocks, `(layers, len(block_ids), heads, block_size, 2 * head_dim)`.
+
+    One indexed copy per layer into one new tensor, in vLLM's own layout (no
+    reordering): the fast part of a save, done before vLLM may reuse the blocks.
+    `blocks_to_kv` puts the copy in kvsieve's layout later.
+    """
+    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+    first = layers[0]
+    out = torch.empty((len(layers), len(ids), *first.shape[1:]), dtype=first.dtype)
+    for i, layer in enumerate(layers):
+        torch.index_select(layer, 0, ids, out=out[i])
+    return out
+
+
+def blocks_to_kv(blocks: torch.Tensor, head_dim: int, start: int, num_tokens: int) -> Array:
+    """KV `(layers, 2, heads, num_tokens, head_dim)` of tokens [start, start + num_tokens) of
+    the run of blocks that `copy_blocks` copied (token 0 is offset 0 of its first block).
+
+    Done in numpy, which runs on the calling thread alone: the save sender calls this,
+    and a torch op there would start a second OpenMP team of threads beside vLLM's,
+    on the same cores (with torch here, later forward passes of one 2-core run were
+    ~50% slower; with numpy the gap shrank, though not to nothing: docs/performance.md).
+    """
+    layers, num_blocks, heads, block_size, width = blocks.shape
+    if width != 2 * head_dim or not 0 <= start <= start + num_tokens <= num_blocks * block_size:
+        raise InvalidInputError(
+            f"tokens [{start}, {start + num_tokens}) of {tuple(blocks.shape)} copied blocks "
+            f"with head_dim {head_dim}"
+        )
+    tiles = to_numpy(blocks).reshape(layers, num_blocks, heads, 2, block_size, head_dim)
+    kv = tiles.transpose(0, 3, 2, 1, 4, 5).reshape(layers, 2, heads, num_blocks * block_size, head_dim)
+    return np.ascontiguousarray(kv[:, :, :, start : start + num_tokens])
+
+
 def scatter(layers: Sequence[torch.Tensor], kv: torch.Tensor, slots: Slots, head_dim: int) -> None:
     """Write `kv` `(layers, 2, heads, tokens, head_dim)` into the cache at `slots` (mutates `layers`)."""
     if kv.shape[0] != len(layers) or kv.shape[3] != len(slots.offsets):

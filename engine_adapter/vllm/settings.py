@@ -14,6 +14,9 @@ from kvstore.errors import InvalidInputError
 from kvstore.keys import validate_namespace
 
 MODES = ("load", "save", "both")
+#: Default bound on the KV copies waiting to be sent (about 45k tokens of SmolLM2 in bfloat16,
+#: 8k of an 8B Llama): a cap on memory, not an allocation.
+DEFAULT_SAVE_QUEUE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class ConnectorSettings:
             so a dead sidecar costs one deadline per outage, not one per request.
         block_tokens: the sidecar's block size; only whole blocks are sent to it.
         use_shm: shared memory for loads when the sidecar is on this host.
+        save_queue_bytes: bound on the KV copies waiting for the background sender, in
+            bytes; a save that does not fit is dropped (counted), never waited for.
+            At shutdown the queue gets `timeout_s` to drain.
     """
 
     store: str = "127.0.0.1:50051"
@@ -42,6 +48,7 @@ class ConnectorSettings:
     retry_after_s: float = 30.0
     block_tokens: int = 256
     use_shm: bool = True
+    save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not (self.store.startswith("unix:") or ":" in self.store):
@@ -58,6 +65,12 @@ class ConnectorSettings:
         if not isinstance(self.block_tokens, int) or not 1 <= self.block_tokens <= 65536:
             raise InvalidInputError(
                 f"kvsieve block_tokens must be an int in [1, 65536], got {self.block_tokens!r}"
+            )
+
+        size = self.save_queue_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 40:
+            raise InvalidInputError(
+                f"kvsieve save_queue_bytes must be an int of bytes in [1, 2**40], got {size!r}"
             )
 
     @property

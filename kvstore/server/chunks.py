@@ -36,6 +36,12 @@ class ChunkWriter:
         # Slot = position: the client gets the prefix in position order, no reorder copy.
         self.by_position = by_position and self._dense is not None
 
+    def close(self) -> None:
+        """Drop every view of the arena, so it can be unmapped the moment the load ends (an
+        ended call's frames may outlive it, in a traceback grpc keeps). Idempotent."""
+        self._dense, self._copies, self._payloads = None, [], []
+        self._chunks = iter(())
+
     def next_batch(self, max_chunks: int, max_bytes: int, max_shm_chunks: int = 0) -> bytes | None:
         """One serialized `LoadResponse` batch with up to `max_chunks` inline chunks and about
         `max_bytes` inline bytes, or up to `max_shm_chunks` (default `max_chunks`) chunks in

@@ -152,6 +152,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             slot.claim(tenant_of(token, namespace))
             check_token_count(token_count(request), self._config.max_lookup_tokens, "max_lookup_tokens")
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
+            writer: ChunkWriter | None = None
             try:
                 stream = await asyncio.to_thread(self._load, request, model, namespace)
                 header = pb.LoadHeader(
@@ -171,6 +172,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 while message := await asyncio.to_thread(writer.next_batch, *batches):
                     await self._send_load(context, message)
             finally:
+                if writer is not None:
+                    writer.close()  # its views of the arena, before the arena may be unmapped
                 if arena is not None:
                     self.arenas.done(request.arena_id)
             trailer = pb.LoadTrailer(

@@ -74,6 +74,12 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
         "In a store with the layered layout (KVSIEVE_LAYOUT=layered), a budget of 0.2 or more with a "
         "question of 4+ tokens lets each layer's chunks be chosen by the question's queries",
     )  # fmt: skip
+    choose = parameter_default(Engine, "choose_with_last")
+    p.add_argument(
+        "--choose-with-last", type=_choose_arg, default=choose, metavar="N|all",
+        help="on the layer-by-layer path, the last N new tokens' queries choose each layer's chunks "
+        f"(the question, not the document's uncached tail); 'all' = every new token (default {choose})",
+    )  # fmt: skip
     p.add_argument(
         "--coverage", type=_fraction_arg, default=None,
         help=f"with --budget auto: attention mass to cover, (0, 1] (default {AutoBudget().coverage})",
@@ -150,7 +156,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     lm = load_model(args.model)
     store = _open_store(args)
     try:
-        engine = Engine(lm, store, namespace=args.namespace)
+        engine = Engine(lm, store, namespace=args.namespace, choose_with_last=args.choose_with_last)
         result = engine.generate(messages, sampling, budget=budget)
     finally:
         if store is not None:
@@ -168,6 +174,16 @@ def _budget_arg(text: str) -> float | AutoBudget:
         return parse_budget(text)
     except InvalidInputError as exc:  # argparse shows only its own text for a ValueError
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _choose_arg(text: str) -> int | None:
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"choose-with-last must be a whole number >= 1 or 'all', got {text!r}"
+        )
+    return int(text)
 
 
 def _fraction_arg(text: str) -> float:
@@ -202,8 +218,9 @@ def _print_layered(report: LayeredReport | None) -> None:
         return
     print(
         f"layer by layer: {report.chunks_per_layer} chunks of {report.chunk_tokens} tokens per layer chosen "
-        f"by the new tokens' queries; delivered {report.delivered_fraction:.1%} of the cached prefix's "
-        f"tokens, read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%})",
+        f"by the queries of the last {report.query_tokens} of {report.new_tokens} new tokens; "
+        f"delivered {report.delivered_fraction:.1%} of the cached prefix's tokens, "
+        f"read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%})",
         file=sys.stderr,
     )
 

@@ -26,13 +26,13 @@ from engine_adapter.batch import left_pad, padding_mask
 from engine_adapter.cache import cache_from
 from engine_adapter.chat import ChatFormat
 from engine_adapter.decode import Completion, Sampler
-from engine_adapter.layered import LayeredReport, layered_prefill
+from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, layered_prefill
 from engine_adapter.layered_policy import plan_layered
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
-from kvstore.errors import KVSieveError
+from kvstore.errors import InvalidInputError, KVSieveError
 
 Messages = Sequence[dict[str, str]]
 
@@ -85,6 +85,9 @@ class Engine:
         namespace: tenant whose KV is read and written.
         collect_stats: compute attention statistics for prefill and history scores
             (explicit attention instead of sdpa while computing the prompt).
+        choose_with_last: on the layer-by-layer path, the last this many new tokens'
+            queries choose each layer's chunks (the question, not the document's uncached
+            tail: engine_adapter/layered.py `CHOOSE_WITH_LAST`); None = every new token's.
     """
 
     def __init__(
@@ -93,11 +96,15 @@ class Engine:
         store: PrefixStore | None = None,
         namespace: str = "default",
         collect_stats: bool = True,
+        choose_with_last: int | None = CHOOSE_WITH_LAST,
     ) -> None:
         self.lm = lm
         self.store = store
         self.namespace = namespace
         self.collect_stats = collect_stats
+        if choose_with_last is not None and choose_with_last < 1:  # here, not as a fallback mid-request
+            raise InvalidInputError(f"choose_with_last must be >= 1 or None, got {choose_with_last}")
+        self.choose_with_last = choose_with_last
         #: Chat turns as token ids, from the tokenizer's chat template (the DSL's messages too).
         self.chat = ChatFormat(lm.tokenizer)
         #: The last prefill's load stream (closed): what its budget delivered and read.
@@ -161,7 +168,9 @@ class Engine:
         matched = int(plan.load.matched_tokens)
         with plan.load:
             try:
-                out = layered_prefill(self.lm.model, plan.load, ids[matched:], plan.chunks)
+                out = layered_prefill(
+                    self.lm.model, plan.load, ids[matched:], plan.chunks, self.choose_with_last
+                )
             except KVSieveError as exc:
                 self.last_layered = LayeredReport(
                     matched, plan.load.chunk_tokens, plan.chunks, error=str(exc)

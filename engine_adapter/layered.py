@@ -3,11 +3,13 @@
 The cache starts with `chunks x chunk_tokens` placeholder tokens per layer (the
 same count in every layer, so one attention mask serves all layers). A forward
 pre-hook on every attention module runs when that layer's input exists: it
-computes the new tokens' queries (post-RoPE, true positions), scores the prefix's
+computes the queries (post-RoPE, true positions) of the last `choose_with_last`
+new tokens (the question, not the document's uncached tail), scores the prefix's
 chunks against the layer's key summary (`LayeredLoad.key_summary`), chooses
 (importance/query_select.py, the choice the quality benchmark measures), reads
 the chosen chunks of that layer only (`LayeredLoad.read_layer`) and copies them
-into the cache in place, before the attention reads it. Cached tokens keep their
+into the cache in place, before the attention reads it. Every new token is then
+computed over the chosen chunks. Cached tokens keep their
 true positions (keys are stored post-RoPE); the new tokens get theirs explicitly.
 
 The resulting cache holds different tokens per layer: an approximation of the
@@ -32,6 +34,14 @@ from kvstore.api import LayeredLoad, LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError
 
 Array = np.ndarray[Any, Any]
+#: New tokens whose queries choose the chunks: the last ones (the question and the chat
+#: template's closing markers). The new tokens also hold the document's uncached tail
+#: (0-255 tokens short of a whole block), whose queries look at the document's own
+#: recent context, not at what the question needs; choosing with all of them made answers
+#: worse (issue #27). Through the engine (bench/quality_engine.py, 12 windows, budget 0.25,
+#: docs/importance.md "Choosing with the question"): answer KL 0.255 with every new token,
+#: 0.178 / 0.165 / 0.173 with the last 32 / 16 / 8; 16 is the lowest.
+CHOOSE_WITH_LAST = 16
 
 
 @dataclass
@@ -47,6 +57,8 @@ class LayeredReport:
         summary_fraction: the summaries' bytes / the prefix's bytes (part of `read_fraction`).
         bytes_read: bytes read, summaries included.
         chosen: per layer, the chunk indices read (sorted).
+        new_tokens: tokens computed after the prefix.
+        query_tokens: the last new tokens whose queries chose the chunks (<= new_tokens).
         load_s: seconds spent scoring and reading inside the forward pass.
         error: why the load was abandoned (the prompt was recomputed); "" if it was not.
     """
@@ -59,6 +71,8 @@ class LayeredReport:
     summary_fraction: float = 0.0
     bytes_read: int = 0
     chosen: dict[int, Array] = field(default_factory=dict)
+    new_tokens: int = 0
+    query_tokens: int = 0
     load_s: float = 0.0
     error: str = ""
 
@@ -83,7 +97,13 @@ def layer_queries(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     return q * cos + rotated * sin
 
 
-def layered_prefill(model: Any, load: LayeredLoad, new_ids: Sequence[int], chunks: int) -> LayeredPrefill:
+def layered_prefill(
+    model: Any,
+    load: LayeredLoad,
+    new_ids: Sequence[int],
+    chunks: int,
+    choose_with_last: int | None = CHOOSE_WITH_LAST,
+) -> LayeredPrefill:
     """Compute `new_ids` (at positions matched_tokens..) over `chunks` chosen chunks per layer.
 
     Args:
@@ -91,9 +111,12 @@ def layered_prefill(model: Any, load: LayeredLoad, new_ids: Sequence[int], chunk
         load: an open layered load; not closed here.
         new_ids: the tokens after the matched prefix (at least one).
         chunks: chunks to read in every layer, in [1, matched_tokens / chunk_tokens].
+        choose_with_last: the last this many new tokens' queries choose (all of them when
+            fewer); None = every new token's.
 
     Raises:
-        InvalidInputError: no new tokens, a prefix not a whole number of chunks, or a bad count.
+        InvalidInputError: no new tokens, a prefix not a whole number of chunks, a bad
+            count, or `choose_with_last` below 1.
         KVSieveError: from the load (e.g. `ChecksumError`); nothing read may be used.
     """
     n, chunk = int(load.matched_tokens), int(load.chunk_tokens)
@@ -102,6 +125,9 @@ def layered_prefill(model: Any, load: LayeredLoad, new_ids: Sequence[int], chunk
             f"layered prefill needs new tokens, a prefix of whole chunks and chunks in "
             f"[1, {n // max(chunk, 1)}]; got {len(new_ids)} new, prefix {n}, chunk {chunk}, chunks {chunks}"
         )
+    if choose_with_last is not None and choose_with_last < 1:
+        raise InvalidInputError(f"choose_with_last must be >= 1 or None, got {choose_with_last}")
+    query_tokens = len(new_ids) if choose_with_last is None else min(choose_with_last, len(new_ids))
     config = model.config
     heads, dim = (
         config.num_key_value_heads,
@@ -111,7 +137,7 @@ def layered_prefill(model: Any, load: LayeredLoad, new_ids: Sequence[int], chunk
     shape = (1, heads, chunks * chunk, dim)
     cache = cache_from(config, [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                                 for _ in range(config.num_hidden_layers)])  # fmt: skip
-    filler = _LayerFiller(load, cache, chunks)
+    filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids))
     handles = [
         layer.self_attn.register_forward_pre_hook(filler, with_kwargs=True) for layer in model.model.layers
     ]
@@ -131,8 +157,11 @@ def layered_prefill(model: Any, load: LayeredLoad, new_ids: Sequence[int], chunk
 class _LayerFiller:
     """The forward pre-hook: choose, read and install one layer's chunks before its attention."""
 
-    def __init__(self, load: LayeredLoad, cache: Any, chunks: int) -> None:
+    def __init__(
+        self, load: LayeredLoad, cache: Any, chunks: int, query_tokens: int, new_tokens: int
+    ) -> None:
         self.load, self.cache, self.chunks = load, cache, chunks
+        self.query_tokens, self.new_tokens = query_tokens, new_tokens
         self.chosen: dict[int, Array] = {}
         self.load_s = 0.0
 
@@ -140,7 +169,9 @@ class _LayerFiller:
         t0 = time.perf_counter()
         layer = int(module.layer_idx)
         cos, sin = kwargs["position_embeddings"]
-        queries = layer_queries(module, kwargs["hidden_states"], cos, sin)[0].float().numpy()
+        last = slice(-self.query_tokens, None)  # only the choosing tokens' queries are computed
+        hidden = kwargs["hidden_states"][:, last]
+        queries = layer_queries(module, hidden, cos[:, last], sin[:, last])[0].float().numpy()
         approx = self.load.key_summary(layer)
         chosen = choose_layer_chunks(queries, approx, self.chunks, scale=float(module.scaling))
         part = self.load.read_layer(layer, [int(c) for c in chosen])
@@ -160,7 +191,7 @@ class _LayerFiller:
             int(load.matched_tokens), int(load.chunk_tokens), self.chunks,
             float(load.delivered_fraction), float(load.read_fraction),
             load.summary_bytes / load.prefix_bytes if load.prefix_bytes else 0.0,
-            int(load.bytes_read), dict(self.chosen), self.load_s,
+            int(load.bytes_read), dict(self.chosen), self.new_tokens, self.query_tokens, self.load_s,
         )  # fmt: skip
 
 

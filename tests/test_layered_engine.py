@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from bench.quality_masking import MaskPlan, masking
 from bench.texts import token_windows
 from engine_adapter.array_layers import ArrayLayers
 from engine_adapter.commands import _print_layered
-from engine_adapter.layered import chunk_positions, layered_prefill
+from engine_adapter.layered import CHOOSE_WITH_LAST, chunk_positions, layer_queries, layered_prefill
 from engine_adapter.layered_policy import MIN_LAYERED_FRACTION, chunks_for_fraction, static_auto_fraction
 from importance.query_select import choose_layer_chunks
 from importance.summaries import ChunkLayout
@@ -28,6 +29,7 @@ from kvstore.values import DEFAULT_NAMESPACE
 
 pytestmark = [pytest.mark.model]
 PREFIX = 256  # one store block
+TAIL = 200  # the document's uncached tokens after its last whole block
 QUESTION = (
     "<|im_end|>\n<|im_start|>user\nWhat is the main subject of this text?<|im_end|>\n<|im_start|>assistant\n"
 )
@@ -118,7 +120,8 @@ def test_partial_load_equals_the_masking_simulation(lm: Any, doc: Any) -> None:
 
     def simulate(layer: int, queries: np.ndarray) -> np.ndarray:
         approx = np.swapaxes(summaries[layer].fields["keys_t"], 1, 2)
-        chosen = choose_layer_chunks(queries, approx, chunks, scale=state.scale)
+        last = queries[:, -CHOOSE_WITH_LAST:]  # the engine's default: the question's last tokens choose
+        chosen = choose_layer_chunks(last, approx, chunks, scale=state.scale)
         return layout.token_mask(np.isin(np.arange(layout.num_chunks), chosen))[None]
 
     plan = MaskPlan(PREFIX, len(question), simulate)
@@ -207,6 +210,7 @@ def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
     _print_layered(report)  # what `kvsieve generate -v` prints
     printed = capsys.readouterr().err
     assert f"{report.chunks_per_layer} chunks of 8 tokens per layer" in printed
+    assert f"the last 16 of {len(question)} new tokens" in printed  # the default, CHOOSE_WITH_LAST
     assert (
         f"read {report.read_fraction:.1%}" in printed
         and f"summaries {report.summary_fraction:.1%}" in printed
@@ -239,3 +243,130 @@ def test_auto_reads_what_the_static_plan_would_deliver(lm: Any, doc: Any, store:
             fraction, store.opened[-1]
         )
         assert report.read_fraction <= fraction + 1e-9
+
+
+@pytest.fixture(scope="module")
+def long_doc(lm: Any) -> list[int]:
+    """A document of one cached block (256 tokens) and an uncached tail of 200 tokens."""
+    return token_windows(lm.tokenizer, PREFIX + TAIL, 1)[0][1][: PREFIX + TAIL]
+
+
+@contextmanager
+def layer_inputs(lm: Any) -> Iterator[dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Each attention module's input (module, hidden states, cos, sin), recorded by a forward
+    pre-hook registered before the engine's own (so it runs first and sees the same input)."""
+    seen: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cos, sin = kwargs["position_embeddings"]
+        seen[int(module.layer_idx)] = (module, kwargs["hidden_states"].clone(), cos.clone(), sin.clone())
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in lm.model.model.layers
+    ]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _layered_choice(engine: Any, prompt: list[int]) -> dict[int, np.ndarray]:
+    with torch.inference_mode():
+        engine.prefill(prompt, budget=0.3)
+    report = engine.last_layered
+    assert report is not None and not report.error and report.matched_tokens == PREFIX
+    return dict(report.chosen)
+
+
+@pytest.mark.parametrize("last", [16, None])
+def test_the_engine_chooses_with_the_last_new_tokens_queries(
+    lm: Any, doc: Any, long_doc: list[int], store: Any, last: int | None
+) -> None:
+    from engine_adapter.engine import Engine
+
+    question = doc[1]
+    engine = Engine(lm, store, choose_with_last=last)
+    _prime(engine, long_doc[:PREFIX])
+    new = TAIL + len(question)
+    with layer_inputs(lm) as seen, torch.inference_mode():
+        state = engine.prefill(long_doc + question, budget=0.3)
+    report = engine.last_layered
+    assert report is not None and not report.error and report.matched_tokens == PREFIX
+    assert (report.new_tokens, report.query_tokens) == (new, new if last is None else last)
+    assert state.computed_tokens == new
+    served = ArrayLayers(store.opened[-1].kv)  # the same KV, its summaries read afresh
+    rows = slice(-report.query_tokens, None)
+    for layer in range(lm.spec.num_layers):
+        module, hidden, cos, sin = seen[layer]
+        assert hidden.shape[1] == new  # every new token goes through every layer, as before
+        with torch.inference_mode():
+            queries = layer_queries(module, hidden[:, rows], cos[:, rows], sin[:, rows])[0].float().numpy()
+        expected = choose_layer_chunks(
+            queries, served.key_summary(layer), report.chunks_per_layer, scale=float(module.scaling)
+        )
+        assert np.array_equal(report.chosen[layer], expected)
+        assert state.cache.layers[layer].keys.shape[2] == report.chunks_per_layer * 8 + new
+
+
+def test_choosing_with_the_question_not_the_documents_tail(
+    lm: Any, doc: Any, long_doc: list[int], store: Any
+) -> None:
+    """With a 200-token uncached tail, the last tokens choose differently from all of them,
+    and the question's own tokens choose closer to what the question alone would.
+
+    Not equal to the question alone: with the tail the question sits 200 positions later
+    (RoPE turns each query by its distance to every key) and its hidden states have
+    attended to the tail too. So the test asserts what holds: closer, per layer on average.
+    """
+    from engine_adapter.engine import Engine
+
+    question = doc[1]
+    _prime(Engine(lm, store), long_doc[:PREFIX])
+    prompt = long_doc + question
+    every = _layered_choice(Engine(lm, store, choose_with_last=None), prompt)
+    beyond = _layered_choice(Engine(lm, store, choose_with_last=10_000), prompt)  # more than the new tokens
+    assert beyond.keys() == every.keys() and all(np.array_equal(c, every[i]) for i, c in beyond.items())
+    last16 = _layered_choice(Engine(lm, store, choose_with_last=16), prompt)
+    differing = sum(not np.array_equal(last16[i], every[i]) for i in every)
+    asked = _layered_choice(Engine(lm, store, choose_with_last=len(question)), prompt)
+    alone = _layered_choice(Engine(lm, store, choose_with_last=None), long_doc[:PREFIX] + question)
+
+    def overlap(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> float:
+        """Mean over layers: the share of a's chosen chunks that b chose too, the forced
+        first and last two chunks (always both) left out."""
+        free = [np.setdiff1d(a[i], [0, 1, 30, 31]) for i in a]
+        return float(np.mean([len(np.intersect1d(f, b[i])) / len(f) for i, f in zip(a, free, strict=True)]))
+
+    print(
+        f"layers differing (last 16 vs all): {differing}/{len(every)}; overlap with the question alone: "
+        f"last {len(question)} {overlap(asked, alone):.3f}, last 16 {overlap(last16, alone):.3f}, "
+        f"all {overlap(every, alone):.3f}"
+    )
+    assert differing >= len(every) // 2
+    assert overlap(asked, alone) > overlap(every, alone) + 0.05
+    assert overlap(last16, alone) > overlap(every, alone) + 0.05
+
+
+def test_choose_with_last_below_one_is_refused(lm: Any) -> None:
+    from engine_adapter.engine import Engine
+    from kvstore.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="choose_with_last must be >= 1"):
+        Engine(lm, None, choose_with_last=0)
+    with pytest.raises(InvalidInputError, match="choose_with_last must be >= 1"):
+        layered_prefill(lm.model, ArrayLayers(np.zeros((30, 2, 3, PREFIX, 64), np.float16)), [1, 2], 4, 0)
+
+
+def test_the_generate_flag_sets_the_engines_choice() -> None:
+    import argparse
+
+    from engine_adapter.commands import _generate_flags
+
+    parser = argparse.ArgumentParser()
+    _generate_flags(parser)
+    assert parser.parse_args(["q"]).choose_with_last == CHOOSE_WITH_LAST  # the Engine's default
+    assert parser.parse_args(["q", "--choose-with-last", "all"]).choose_with_last is None
+    assert parser.parse_args(["q", "--choose-with-last", "8"]).choose_with_last == 8
+    with pytest.raises(SystemExit):
+        parser.parse_args(["q", "--choose-with-last", "0"])

@@ -47,9 +47,11 @@ async def serve_layers(
     max_tokens: int,
     max_message_bytes: int,
     idle_s: float,
+    gone: Callable[[], bool],
 ) -> None:
     """Answer one LoadLayers stream (see module docstring). Raises LimitExceededError when the
-    client keeps it waiting `idle_s` seconds; the load is closed (its pin released) on every exit."""
+    client keeps it waiting `idle_s` seconds, and ends as soon as `gone()` (the call is over); the
+    load is closed (its pin released) on every exit."""
     first = await _next(requests, idle_s)
     if first is None or first.WhichOneof("part") != "open":
         raise InvalidInputError("a LoadLayers stream must start with `open`")
@@ -58,7 +60,7 @@ async def serve_layers(
     load = await asyncio.to_thread(store.open_layers, tokens, model=model, namespace=namespace)
     try:
         with hold_pins(namespace, load.pinned_keys):
-            await _send(send, _header(load), idle_s)
+            await _send(send, _header(load), idle_s, gone)
             if not load.matched_tokens:
                 return
             while (message := await _next(requests, idle_s)) is not None:
@@ -66,7 +68,7 @@ async def serve_layers(
                     raise InvalidInputError("after `open`, a LoadLayers stream carries only `read` requests")
                 answer = await asyncio.to_thread(_answer, load, message.read, model, max_message_bytes)
                 answer.bytes_read, answer.delivered_tokens = load.bytes_read, load.delivered_tokens
-                await _send(send, answer, idle_s)
+                await _send(send, answer, idle_s, gone)
     finally:
         load.close()
 
@@ -85,9 +87,9 @@ async def _next(requests: AsyncIterator[pb.LayersRequest], idle_s: float) -> pb.
     return await within(anext(requests, None), idle_s, refusal)
 
 
-async def _send(send: Send, answer: pb.LayersResponse, idle_s: float) -> None:
+async def _send(send: Send, answer: pb.LayersResponse, idle_s: float, gone: Callable[[], bool]) -> None:
     refusal = f"LoadLayers: the client took no answer for {idle_s:g} s (layers_idle_s); the load was released"
-    await within(send(answer), idle_s, refusal)
+    await within(send(answer), idle_s, refusal, gone=gone)
 
 
 def _open_tokens(request: pb.LayersOpen, max_tokens: int) -> Array:

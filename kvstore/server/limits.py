@@ -44,7 +44,14 @@ def tenant_of(token: str | None, namespace: str) -> Tenant:
     return Tenant(f"namespace:{namespace}", f"namespace {namespace!r}")
 
 
-async def within(step: Awaitable[T], idle_s: float, refusal: str) -> T:
+async def within(
+    step: Awaitable[T],
+    idle_s: float,
+    refusal: str,
+    *,
+    gone: Callable[[], bool] | None = None,
+    poll_s: float = 0.25,
+) -> T:
     """`step`'s result, or LimitExceededError(`refusal`) when the client made it wait `idle_s`
     seconds (a request that does not come, an answer it does not take).
 
@@ -52,32 +59,22 @@ async def within(step: Awaitable[T], idle_s: float, refusal: str) -> T:
     itself ends, and a gRPC write blocked on flow control ends only when the call does, so
     the handler (and the pin or arena it holds) would outlive the client. `asyncio.wait`
     returns at once; the abandoned step is cancelled and left to end with the call.
+
+    A write blocked on flow control does not always learn that the client died either, so
+    with `gone` (grpc's `context.done`) the call's state is polled every `poll_s` seconds,
+    and the step ends (CancelledError) as soon as the call is over.
     """
     task = asyncio.ensure_future(step)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=idle_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise LimitExceededError(refusal)
-    return task.result()
-
-
-async def write_or_gone(context: Any, message: Any, poll_s: float = 0.25) -> None:
-    """`context.write(message)`, ended (CancelledError) as soon as grpc says the call is over.
-
-    A write blocked on flow control does not always learn that the client died: the handler
-    would then hold its pin or arena until the idle limit. So the call's state is polled too.
-    """
-    task = asyncio.ensure_future(context.write(message))
+    deadline = asyncio.get_running_loop().time() + idle_s
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise LimitExceededError(refusal)
+            done, _ = await asyncio.wait({task}, timeout=left if gone is None else min(left, poll_s))
             if done:
                 return task.result()
-            if context.done():
+            if gone is not None and gone():
                 raise asyncio.CancelledError("the call ended while an answer waited to be sent")
     finally:
         if not task.done():

@@ -15,7 +15,6 @@ one of grpc's `max_concurrent_rpcs`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
@@ -50,7 +49,6 @@ from kvstore.server.limits import (
     token_count,
     tokens_array,
     within,
-    write_or_gone,
 )
 from kvstore.server.metrics import Metrics
 from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
@@ -202,10 +200,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 return model, namespace, token
 
             await serve_layers(
-                self._store, request_iterator, functools.partial(write_or_gone, context), authorise,
-                self._hold_pins,
+                self._store, request_iterator, context.write, authorise, self._hold_pins,
                 max_tokens=self._config.max_lookup_tokens, max_message_bytes=self._config.max_message_bytes,
-                idle_s=self._config.layers_idle_s,
+                idle_s=self._config.layers_idle_s, gone=context.done,
             )  # fmt: skip
 
     @override
@@ -305,7 +302,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def _send_load(self, context: Any, message: pb.LoadResponse | bytes) -> None:
         idle = self._config.stream_idle_s
         refusal = f"Load: the client took no answer for {idle:g} s (stream_idle_s); the load was ended"
-        await within(write_or_gone(context, message), idle, refusal)
+        await within(context.write(message), idle, refusal, gone=context.done)
 
     def _hold_pins(self, namespace: str, keys: tuple[bytes, ...]) -> AbstractContextManager[None]:
         """A LoadLayers stream's pin, counted against its namespace's pin quota while it lives."""

@@ -217,7 +217,7 @@ class TieredStore:
         counters["evictions.memory"] = self.index.memory_evictions
         if self.remote_link is not None:
             counters |= self.remote_link.counters()
-        tiers = {t.name: t.usage() for t in [self.memory, *self.durable]}
+        tiers = {t.name: t.usage() for t in self.tiers.all}
         return StoreStats(counters, tiers, self.tree.num_blocks, len(self.leases), samples)
 
     def close(self) -> None:
@@ -225,7 +225,7 @@ class TieredStore:
             self._closed = True
             if self.remote_link is not None:
                 self.remote_link.close()  # drains queued remote writes first
-            for tier in [self.memory, *self.durable]:
+            for tier in self.tiers.all:
                 tier.close()
             if self._lock is not None:
                 self._lock.release()

@@ -26,13 +26,13 @@ from engine_adapter.batch import left_pad, padding_mask
 from engine_adapter.cache import cache_from
 from engine_adapter.chat import ChatFormat
 from engine_adapter.decode import Completion, Sampler
-from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, layered_prefill
+from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last, layered_prefill
 from engine_adapter.layered_policy import plan_layered
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
-from kvstore.errors import InvalidInputError, KVSieveError
+from kvstore.errors import KVSieveError
 
 Messages = Sequence[dict[str, str]]
 
@@ -102,8 +102,7 @@ class Engine:
         self.store = store
         self.namespace = namespace
         self.collect_stats = collect_stats
-        if choose_with_last is not None and choose_with_last < 1:  # here, not as a fallback mid-request
-            raise InvalidInputError(f"choose_with_last must be >= 1 or None, got {choose_with_last}")
+        check_choose_with_last(choose_with_last)  # here, not as a fallback mid-request
         self.choose_with_last = choose_with_last
         #: Chat turns as token ids, from the tokenizer's chat template (the DSL's messages too).
         self.chat = ChatFormat(lm.tokenizer)

@@ -97,6 +97,12 @@ def layer_queries(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     return q * cos + rotated * sin
 
 
+def check_choose_with_last(choose_with_last: int | None) -> None:
+    """InvalidInputError unless `choose_with_last` is None or at least 1."""
+    if choose_with_last is not None and choose_with_last < 1:
+        raise InvalidInputError(f"choose_with_last must be >= 1 or None, got {choose_with_last}")
+
+
 def layered_prefill(
     model: Any,
     load: LayeredLoad,
@@ -125,8 +131,7 @@ def layered_prefill(
             f"layered prefill needs new tokens, a prefix of whole chunks and chunks in "
             f"[1, {n // max(chunk, 1)}]; got {len(new_ids)} new, prefix {n}, chunk {chunk}, chunks {chunks}"
         )
-    if choose_with_last is not None and choose_with_last < 1:
-        raise InvalidInputError(f"choose_with_last must be >= 1 or None, got {choose_with_last}")
+    check_choose_with_last(choose_with_last)
     query_tokens = len(new_ids) if choose_with_last is None else min(choose_with_last, len(new_ids))
     config = model.config
     heads, dim = (

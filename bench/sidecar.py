@@ -37,7 +37,8 @@ class Sidecar:
 
     def start(self) -> Sidecar:
         self.port = self.port or free_port()
-        self.metrics_port = self.metrics_port or free_port()
+        while not self.metrics_port or self.metrics_port == self.port:  # nothing holds the first
+            self.metrics_port = free_port()  # port yet: the kernel may hand out the same one again
         cmd = [sys.executable, "-m", "kvstore.cli.main", "serve", "--listen", self.address]
         cmd += [
             "--metrics-listen",

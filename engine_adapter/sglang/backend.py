@@ -117,6 +117,11 @@ class KvsieveStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         return self._pages.counters
 
     @property
+    def page_store(self) -> PageStore:
+        """The sidecar side (what benchmarks and tests use to file pages directly)."""
+        return self._pages
+
+    @property
     def page_format(self) -> PageFormat | None:
         """The registered pool's page format (None before `register_mem_pool_host`)."""
         return self._format

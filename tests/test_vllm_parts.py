@@ -124,6 +124,7 @@ def test_forget_drops_state() -> None:
 
 SPEC = ModelSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16")
 BLOCK = 8
+CPU = layout.cpu_layout(SPEC.head_dim)
 
 
 def _cache(num_blocks: int = 12, seed: int = 0) -> list[torch.Tensor]:
@@ -142,7 +143,7 @@ def test_gather_matches_the_kernels_tile_layout() -> None:
     layers = _cache()
     table = [7, 2, 9]
     positions = np.array([0, 5, 8, 15, 16, 23])
-    kv = layout.gather(layers, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
+    kv = layout.gather(layers, layout.slots_of(positions, table, BLOCK), CPU)
     assert kv.shape == SPEC.kv_shape(len(positions))
     for i, p in enumerate(positions):
         for li, layer in enumerate(layers):
@@ -154,9 +155,9 @@ def test_scatter_round_trip_in_any_token_order_touches_nothing_else() -> None:
     before = [t.clone() for t in target]
     src_table, dst_table = [0, 1, 2], [5, 3, 11]
     positions = np.random.default_rng(0).permutation(np.arange(4, 20))  # importance order, say
-    kv = layout.gather(source, layout.slots_of(positions, src_table, BLOCK), SPEC.head_dim)
-    layout.scatter(target, kv, layout.slots_of(positions, dst_table, BLOCK), SPEC.head_dim)
-    back = layout.gather(target, layout.slots_of(positions, dst_table, BLOCK), SPEC.head_dim)
+    kv = layout.gather(source, layout.slots_of(positions, src_table, BLOCK), CPU)
+    layout.scatter(target, kv, layout.slots_of(positions, dst_table, BLOCK), CPU)
+    back = layout.gather(target, layout.slots_of(positions, dst_table, BLOCK), CPU)
     assert torch.equal(back, kv)
     written = {(dst_table[p // BLOCK], p % BLOCK) for p in positions}
     for layer, old in zip(target, before, strict=True):
@@ -172,19 +173,19 @@ def test_copied_blocks_give_the_gathered_kv_of_any_token_range() -> None:
     layers = _cache(seed=7)
     table = [7, 2, 9, 4]
     positions = np.arange(5, 29)  # starts and ends inside a block
-    want = layout.gather(layers, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
-    blocks = layout.copy_blocks(layers, table)
+    want = layout.gather(layers, layout.slots_of(positions, table, BLOCK), CPU)
+    blocks = layout.copy_blocks(layers, table, CPU)
     assert blocks.shape == (SPEC.num_layers, 4, SPEC.num_kv_heads, BLOCK, 2 * SPEC.head_dim)
     assert not any(np.shares_memory(layout.to_numpy(blocks), layout.to_numpy(t)) for t in layers)
-    got = layout.blocks_to_kv(blocks, SPEC.head_dim, 5, 24)
+    got = layout.blocks_to_kv(blocks, CPU, 5, 24)
     assert got.shape == SPEC.kv_shape(24) and got.dtype == SPEC.np_dtype
     assert np.array_equal(got.view(np.uint16), layout.to_numpy(want).view(np.uint16))
     with pytest.raises(InvalidInputError, match="copied blocks"):
-        layout.blocks_to_kv(blocks, SPEC.head_dim, 5, 28)
+        layout.blocks_to_kv(blocks, CPU, 5, 28)
 
 
 def test_numpy_bfloat16_round_trip_shares_memory() -> None:
-    kv = layout.gather(_cache(), layout.slots_of(np.arange(8), [1], BLOCK), SPEC.head_dim)
+    kv = layout.gather(_cache(), layout.slots_of(np.arange(8), [1], BLOCK), CPU)
     arr = layout.to_numpy(kv)
     assert arr.dtype == SPEC.np_dtype and arr.shape == SPEC.kv_shape(8)
     back = layout.from_numpy(arr)
@@ -193,8 +194,8 @@ def test_numpy_bfloat16_round_trip_shares_memory() -> None:
 
 
 def test_layout_refuses_wrong_shapes_and_dtypes() -> None:
-    with pytest.raises(InvalidInputError, match="2\\*head_dim"):
-        layout.paged_view(torch.zeros(2, 2, 8, 6), SPEC.head_dim)
+    with pytest.raises(InvalidInputError, match=r"CPU_ATTN.*head_dim 4"):
+        CPU.token_view(torch.zeros(2, 2, 8, 6))
     with pytest.raises(InvalidInputError, match="past the request"):
         layout.slots_of([16], [0, 1], BLOCK)
     with pytest.raises(InvalidInputError, match="dtype"):
@@ -271,8 +272,8 @@ def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
         target = _worker(store, _cache(seed=4))
         outcome = target.start_load((LoadOp("b", tokens[:32], 8, 32, (9, 8, 7, 10)),))
         assert outcome[0].written_tokens == 24 and not outcome[0].failed_blocks
-        got = layout.gather(target.layers, layout.slots_of(np.arange(8, 32), (9, 8, 7, 10), BLOCK), 4)
-        want = layout.gather(source.layers, layout.slots_of(np.arange(8, 32), (4, 6, 1, 0), BLOCK), 4)
+        got = layout.gather(target.layers, layout.slots_of(np.arange(8, 32), (9, 8, 7, 10), BLOCK), CPU)
+        want = layout.gather(source.layers, layout.slots_of(np.arange(8, 32), (4, 6, 1, 0), BLOCK), CPU)
         assert torch.equal(got, want)
         assert target.take_failed_blocks() == set()
         assert target.close(5)
@@ -389,9 +390,9 @@ def test_saved_bytes_are_those_of_the_copy_not_of_the_reused_blocks(sidecar: Sid
             == 32
         )
         positions = np.arange(SAVE_TOKENS)
-        got = layout.gather(target.layers, layout.slots_of(positions, (9, 8, 7, 10), BLOCK), SPEC.head_dim)
-        want = layout.gather(at_save, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
-        reused = layout.gather(source.layers, layout.slots_of(positions, table, BLOCK), SPEC.head_dim)
+        got = layout.gather(target.layers, layout.slots_of(positions, (9, 8, 7, 10), BLOCK), CPU)
+        want = layout.gather(at_save, layout.slots_of(positions, table, BLOCK), CPU)
+        reused = layout.gather(source.layers, layout.slots_of(positions, table, BLOCK), CPU)
         assert torch.equal(got, want) and not torch.equal(got, reused)
         assert target.close(5)
 

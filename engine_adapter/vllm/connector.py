@@ -22,12 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from engine_adapter.vllm import layout
 from engine_adapter.vllm.fingerprint import vllm_model_spec
 from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import RequestTracker, ScheduledRequest, StepPlan
 from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.worker import WorkerSide
 from kvstore.client.kvclient import KVClient
+from kvstore.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,7 +76,7 @@ class KVSieveConnector(KVConnectorBase_V1):
         s = self.settings
         self.tracker = RequestTracker(self.block_size, s.block_tokens, loads=s.loads, saves=s.saves)
         self.worker = WorkerSide(self.client, self.spec, s.namespace, self.block_size, self.guard,
-                                 s.save_queue_bytes)  # fmt: skip
+                                 s.save_queue_bytes, copy_timeout_s=s.timeout_s)  # fmt: skip
         logger.info("KVSieveConnector (%s) on %s, namespace %r, mode %s, model %s (%s), fingerprint %s",
                     role.name, s.store, s.namespace, s.mode, self.spec.name, self.spec.dtype,
                     self.spec.fingerprint.hex())  # fmt: skip
@@ -121,21 +123,36 @@ class KVSieveConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """On a GPU the per-layer hooks order our copies against attention: they must run between
+        graph pieces, never be captured in a full CUDA graph (vLLM then switches to PIECEWISE)."""
+        return True
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep vLLM's per-layer cache tensors (checked against the model spec)."""
-        self.worker.register(kv_caches)
+        """Keep vLLM's per-layer cache tensors, in the layout of the attention backend vLLM chose
+        (checked against the model spec)."""
+        config = self._vllm_config
+        cache_layout = cache_layout_of(config, self._kv_cache_config, kv_caches, self.spec.head_dim)
+        self.worker.register(kv_caches, cache_layout)
+        logger.info("KVSieveConnector: KV cache on %s, %s", self.worker.device, cache_layout.describe())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's prefixes into the paged cache before the forward pass."""
+        """Fetch this step's prefixes and write them into the paged cache (CPU), or queue their
+        copies layer by layer on a side stream (CUDA)."""
         self.worker.start_load(self._plan().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: `start_load_kv` completed every layer."""
+        """CUDA: this layer's attention waits for this layer's load only. CPU: all loads are done."""
+        self.worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Nothing per layer: `wait_for_save` stores all layers after the forward pass."""
+        """CUDA: copy this layer's blocks of the step's saves out as soon as it is computed.
+        CPU: nothing per layer, `wait_for_save` copies all layers after the forward pass."""
+        if self.has_connector_metadata():
+            self.worker.save_layer(layer_name, self._plan().saves)
 
     def wait_for_save(self) -> None:
         """Copy out the new full blocks of prompts whose prefill finished in this step and queue
@@ -179,3 +196,46 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
             )
         )
     return items
+
+
+def cache_layout_of(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor], head_dim: int
+) -> layout.CacheLayout:
+    """The layout of vLLM's cache, from the attention backend vLLM reports for its layers.
+
+    Raises:
+        InvalidInputError: an MLA or hybrid model, several backends, or a backend or cache shape
+            the connector does not know (the message names them).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    model = vllm_config.model_config.model
+    groups = kv_cache_config.kv_cache_groups
+    specs = [group.kv_cache_spec for group in groups]
+    use_mla = getattr(vllm_config.model_config, "use_mla", False)
+    if use_mla or any(isinstance(s, MLAAttentionSpec) for s in specs):
+        raise InvalidInputError(
+            f"KVSieveConnector does not support MLA models (multi-head latent attention, {model}): "
+            "their KV cache is one latent vector per token, not keys and values per head"
+        )
+    if len(groups) != 1 or not isinstance(specs[0], FullAttentionSpec):
+        kinds = sorted({type(s).__name__ for s in specs})
+        raise InvalidInputError(
+            f"KVSieveConnector supports models whose layers all use full attention; {model} is a hybrid "
+            f"model ({len(groups)} KV cache groups: {', '.join(kinds)})"
+        )
+    backends = get_current_attn_backends(vllm_config, list(kv_caches))
+    if len(backends) != 1:
+        raise InvalidInputError(
+            f"KVSieveConnector needs one attention backend for all layers, vLLM uses "
+            f"{sorted(b.get_name() for b in backends)}"
+        )
+    physical = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout or ""
+    return layout.detect(
+        backends[0],
+        head_dim,
+        head_dim_v=getattr(specs[0], "head_size_v", None),
+        physical=str(physical),
+        sample=next(iter(kv_caches.values())),
+    )

@@ -1,21 +1,32 @@
 """Worker side of the vLLM connector: moves KV between the sidecar and vLLM's paged cache.
 
-Loads run before the forward pass (`start_load`), synchronously: on CPU the
-forward pass and the copy compete for the same cores anyway. A load that fails or
-comes back short marks the affected vLLM blocks as failed, and vLLM recomputes them.
+The cache may be in any layout `layout.detect` knows, on the CPU or a CUDA device.
 
-Saves run after the forward pass (`save`), when every layer's KV of the step is
-in the cache. Only their copy is synchronous: the new blocks are copied out of
-vLLM's cache (one indexed copy per layer) before `save` returns, since vLLM may
-reuse them right after; a background thread (`sender.SaveQueue`) sends the copy,
-so no step waits for the sidecar.
+Loads are fetched from the sidecar before the forward pass (`start_load`). On a
+CPU cache they are written there too, synchronously: the forward pass and the
+copy compete for the same cores anyway. On a CUDA cache each layer's KV goes
+through a pinned host buffer and a side stream (`staging`) into the cache, and
+the layer's attention waits for its own copy only (`wait_layer`, vLLM's
+`wait_for_layer_load`): copying layer L+1 overlaps computing layer L. A load that
+fails or comes back short marks the affected vLLM blocks as failed, and vLLM
+recomputes them.
+
+Saves copy the new blocks out of vLLM's cache before vLLM may reuse them, one
+indexed copy per layer; a background thread (`sender.SaveQueue`) sends the copy,
+so no step waits for the sidecar. On a CPU cache the copy is made after the
+forward pass (`save`, vLLM's `wait_for_save`). On a CUDA cache each layer's
+blocks are gathered on the device as soon as the layer is computed (`save_layer`,
+vLLM's `save_kv_layer`), and copied to pinned host memory on the side stream; the
+sender waits for that copy's event, never the forward pass.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +37,7 @@ from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import LoadOp, SaveOp
 from engine_adapter.vllm.sender import SaveQueue
 from engine_adapter.vllm.settings import DEFAULT_SAVE_QUEUE_BYTES
+from engine_adapter.vllm.staging import CopyStream, HostStaging
 from kvstore.api import PrefixStore
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
@@ -38,20 +50,30 @@ class LoadOutcome(NamedTuple):
     failed_blocks: frozenset[int]
 
 
-class SaveJob(NamedTuple):
+@dataclass
+class SaveJob:
     """One save, copied out of vLLM's cache: what the sender thread stores.
 
     Attributes:
         tokens: the prefix stored (whole kvsieve blocks).
         kv_start: first position whose KV is sent.
-        blocks: copy of the vLLM blocks holding [kv_start, len(tokens)) (`layout.copy_blocks`).
+        blocks: copy of the vLLM blocks holding [kv_start, len(tokens)) (`layout.copy_blocks`),
+            in host memory (pinned, from the worker's pool, when the cache is on CUDA).
         offset: where kv_start lies in the copy (its offset in the first copied block).
+        block_ids: the vLLM blocks copied (CUDA: filled layer by layer).
+        ready: CUDA only: set once every layer's copy is queued and `copied` recorded.
+        copied: CUDA only: done when the device-to-host copies have landed in `blocks`.
+        layers_done: CUDA only: which layers are copied (or queued) so far.
     """
 
     tokens: tuple[int, ...]
     kv_start: int
     blocks: torch.Tensor
     offset: int
+    block_ids: tuple[int, ...] = ()
+    ready: threading.Event | None = None
+    copied: torch.cuda.Event | None = None
+    layers_done: set[int] | None = None
 
 
 def layer_order(names: list[str]) -> list[str]:
@@ -78,6 +100,7 @@ class WorkerSide:
         block_size: tokens per vLLM cache block.
         guard: the circuit breaker around sidecar calls (shared by both threads).
         save_queue_bytes: bound on the bytes of KV copies waiting to be sent.
+        copy_timeout_s: CUDA: how long the sender waits for a save's copy out of the cache.
     """
 
     def __init__(
@@ -88,12 +111,14 @@ class WorkerSide:
         block_size: int,
         guard: SidecarGuard,
         save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES,
+        copy_timeout_s: float = 10.0,
     ):
         self.client = client
         self.spec = spec
         self.namespace = namespace
         self.block_size = block_size
         self.guard = guard
+        self.copy_timeout_s = copy_timeout_s
         self.layers: list[torch.Tensor] = []
         self.saves: SaveQueue[SaveJob] = SaveQueue(self._send, save_queue_bytes, guard.log)
         self.saved_blocks = 0  # new blocks the sidecar wrote (counted on the sender thread)
@@ -101,36 +126,64 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._step_failed = False
         self._copy_failed = False  # logged once
+        self.layout = layout.cpu_layout(spec.head_dim)
+        self.layer_index: dict[str, int] = {}
+        self.device = torch.device("cpu")
+        self.staging = HostStaging(pin=False)
+        self.copies: CopyStream | None = None  # set when the cache is on CUDA
+        self._layer_loaded: dict[int, torch.cuda.Event] = {}  # CUDA: the step's load, per layer
+        self._loads_in_flight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._step_saves: list[SaveJob] | None = None  # CUDA: this step's saves, copied per layer
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer cache tensors; check them against the model spec.
+    def register(
+        self, kv_caches: Mapping[str, torch.Tensor], cache_layout: layout.CacheLayout | None = None
+    ) -> None:
+        """Take vLLM's per-layer cache tensors in `cache_layout` (default: the CPU backend's);
+        check them against the model spec.
 
         Raises:
-            InvalidInputError: layer count, heads, head size or dtype disagree with the spec.
+            InvalidInputError: layer count, heads, head size, block size, dtype or layout disagree
+                with the spec, or the layers are not all on one device.
         """
-        layers = [kv_caches[name] for name in layer_order(list(kv_caches))]
+        cache_layout = cache_layout or layout.cpu_layout(self.spec.head_dim)
+        names = layer_order(list(kv_caches))
+        layers = [kv_caches[name] for name in names]
         if len(layers) != self.spec.num_layers:
             raise InvalidInputError(
                 f"vLLM has {len(layers)} KV cache layers, the model spec {self.spec.num_layers}"
             )
+        if cache_layout.head_dim != self.spec.head_dim:
+            raise InvalidInputError(
+                f"vLLM's cache layout has head_dim {cache_layout.head_dim}, "
+                f"the model spec {self.spec.head_dim}"
+            )
         for layer in layers:
-            view = layout.paged_view(layer, self.spec.head_dim)
-            if view.shape[1] != self.spec.num_kv_heads or view.shape[3] != self.block_size:
-                raise InvalidInputError(
-                    f"vLLM KV cache layer {tuple(layer.shape)} does not match "
-                    f"{self.spec.num_kv_heads} KV heads in blocks of {self.block_size}"
-                )
+            cache_layout.check(layer, self.spec.num_kv_heads, self.block_size)
             if layout.dtype_name(layer.dtype) != self.spec.dtype:
                 raise InvalidInputError(
                     f"vLLM KV cache is {layer.dtype}, the model spec says {self.spec.dtype}"
                 )
+            if layer.device != layers[0].device:
+                raise InvalidInputError(f"vLLM KV cache layers on {layer.device} and {layers[0].device}")
         self.layers = layers
-        self._block_bytes = sum(layer[0].nbytes for layer in layers)
+        self.layout = cache_layout
+        self.layer_index = {name: i for i, name in enumerate(names)}
+        self.device = layers[0].device
+        on_cuda = self.device.type == "cuda"
+        self.staging = HostStaging(pin=on_cuda)
+        self.copies = CopyStream(self.device) if on_cuda else None
+        self._block_bytes = sum(layer.nbytes // layer.shape[cache_layout.block_axis] for layer in layers)
 
     def start_load(self, ops: tuple[LoadOp, ...]) -> list[LoadOutcome]:
         """Run every load of the step; failures are remembered for `take_failed_blocks`."""
         outcomes = []
         self._step_failed = False
+        self._step_saves = None
+        if self.copies is not None:
+            self._reclaim_load_buffers()
+            self._join_loads()
+            if ops:
+                self.copies.after_compute()
         for op in ops:
             written = self.guard.call("load", functools.partial(self._load, op))
             outcome = self._outcome(op, written or 0)
@@ -156,6 +209,8 @@ class WorkerSide:
         that were never filled, so their KV is wrong (vLLM recomputes them, and a
         later request stores the blocks).
         """
+        if self.copies is not None:
+            return self._finish_device_saves(ops)
         if self._step_failed or not self.guard.available:  # breaker open: the send would be skipped
             return 0
         queued = 0
@@ -163,10 +218,29 @@ class WorkerSide:
             try:
                 queued += self._queue(op)
             except Exception:  # a bug of ours must cost the save, not the request
-                if not self._copy_failed:
-                    self.guard.log.exception("kvsieve could not copy a save out of vLLM's cache")
-                self._copy_failed = True
+                self._log_copy_failure()
         return queued
+
+    def wait_layer(self, layer_name: str) -> None:
+        """CUDA: make the compute stream wait for this layer's load (the host does not wait)."""
+        event = self._layer_loaded.pop(self.layer_index.get(layer_name, -1), None)
+        if event is not None:
+            CopyStream.compute_waits_for(event)
+
+    def save_layer(self, layer_name: str, ops: tuple[SaveOp, ...]) -> None:
+        """CUDA: gather this layer's blocks of the step's saves on the device, right after the layer
+        is computed, and copy them to pinned host memory on the side stream (nothing waits).
+
+        On a CPU cache this does nothing: `save` copies every layer after the forward pass.
+        """
+        if self.copies is None or not ops:
+            return
+        if self._step_saves is None:
+            self._step_saves = self._start_device_saves(ops)
+        index = self.layer_index.get(layer_name)
+        if index is not None:
+            for job in self._step_saves:
+                self._copy_layer_out(job, index)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until the queued saves are sent; False if the deadline passed first."""
@@ -207,8 +281,108 @@ class WorkerSide:
                     f"sidecar delivered {len(positions)} of the {covered - op.start} positions asked for"
                 )
             slots = layout.slots_of(positions, op.block_table, self.block_size)
-            layout.scatter(self.layers, layout.from_numpy(kv), slots, self.spec.head_dim)
+            if self.copies is None:
+                layout.scatter(self.layers, layout.from_numpy(kv), slots, self.layout)
+            else:
+                self._load_to_device(layout.from_numpy(kv), slots, self.copies)
         return covered
+
+    def _load_to_device(self, kv: torch.Tensor, slots: layout.Slots, copies: CopyStream) -> None:
+        """Queue each layer's KV host -> pinned -> device -> cache on the side stream, with one event
+        per layer (`wait_layer`). Only the copy into pinned memory makes the host wait: `kv` may be
+        a view of the sidecar's shared memory, valid only until the load's stream closes."""
+        buffers = []
+        with torch.cuda.stream(copies.stream):
+            slots_on_device = slots.to(self.device)
+            for i, layer in enumerate(self.layers):
+                pinned = self.staging.take(tuple(kv.shape[1:]), layer.dtype)
+                pinned.copy_(kv[i])
+                layer_kv = pinned.to(self.device, non_blocking=True)
+                layout.scatter_layer(layer, layer_kv, slots_on_device, self.layout)
+                self._layer_loaded[i] = copies.event()
+                buffers.append(pinned)
+        self._loads_in_flight.append((copies.event(), buffers))
+
+    def _join_loads(self) -> None:
+        """Make the compute stream wait for loads whose layer vLLM did not wait for (no attention
+        metadata for it): no later kernel may read a block still being written."""
+        for event in self._layer_loaded.values():
+            CopyStream.compute_waits_for(event)
+        self._layer_loaded.clear()
+
+    def _reclaim_load_buffers(self) -> None:
+        """Return the pinned buffers of finished loads to the pool."""
+        still = []
+        for event, buffers in self._loads_in_flight:
+            if event.query():
+                for buffer in buffers:
+                    self.staging.give(buffer)
+            else:
+                still.append((event, buffers))
+        self._loads_in_flight = still
+
+    def _start_device_saves(self, ops: tuple[SaveOp, ...]) -> list[SaveJob]:
+        """Reserve queue room and a pinned buffer for each save of the step (CUDA)."""
+        jobs: list[SaveJob] = []
+        if self._step_failed or not self.guard.available:
+            return jobs
+        for op in ops:
+            try:
+                first, block_ids = self._save_blocks(op)
+                make = functools.partial(self._device_job, op, first, block_ids, jobs)
+                self.saves.offer(len(block_ids) * self._block_bytes, make)
+            except Exception:  # a bug of ours must cost the save, not the request
+                self._log_copy_failure()
+        return jobs
+
+    def _device_job(self, op: SaveOp, first: int, block_ids: tuple[int, ...], jobs: list[SaveJob]) -> SaveJob:
+        """A CUDA save with its pinned buffer, to be filled layer by layer (added to `jobs`)."""
+        shape = layout.block_copy_shape(self.layers[0], len(block_ids), self.layout, len(self.layers))
+        blocks = self.staging.take(shape, self.layers[0].dtype)
+        offset = op.kv_start - first * self.block_size
+        job = SaveJob(op.tokens, op.kv_start, blocks, offset, block_ids, threading.Event(), None, set())
+        jobs.append(job)
+        return job
+
+    def _copy_layer_out(self, job: SaveJob, index: int) -> None:
+        """Gather one layer's blocks of `job` on the compute stream (ordered after the layer's
+        writes; the gathered tensor is ours, so vLLM may reuse the blocks at once) and copy it to
+        the job's pinned buffer on the side stream."""
+        assert self.copies is not None and job.layers_done is not None
+        if index in job.layers_done:
+            return
+        layer = self.layers[index]
+        ids = torch.as_tensor(job.block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        gathered = torch.index_select(layer, self.layout.block_axis, ids)
+        self.copies.after_compute()
+        with torch.cuda.stream(self.copies.stream):
+            job.blocks[index].copy_(gathered, non_blocking=True)
+        gathered.record_stream(self.copies.stream)  # not reused until the copy is done
+        job.layers_done.add(index)
+
+    def _finish_device_saves(self, ops: tuple[SaveOp, ...]) -> int:
+        """End of the step (CUDA): copy the layers vLLM did not hand to `save_layer`, record the
+        event the sender waits for, and release the jobs to it."""
+        self._join_loads()
+        jobs = self._step_saves if self._step_saves is not None else self._start_device_saves(ops)
+        self._step_saves = None
+        assert self.copies is not None
+        for job in jobs:
+            try:
+                for index in range(len(self.layers)):
+                    self._copy_layer_out(job, index)
+                job.copied = self.copies.event()
+            except Exception:
+                self._log_copy_failure()  # the sender finds no event and drops the save
+            finally:
+                assert job.ready is not None
+                job.ready.set()
+        return len(jobs)
+
+    def _log_copy_failure(self) -> None:
+        if not self._copy_failed:
+            self.guard.log.exception("kvsieve could not copy a save out of vLLM's cache")
+        self._copy_failed = True
 
     def _outcome(self, op: LoadOp, written_end: int) -> LoadOutcome:
         """Blocks of [op.start, op.end) not entirely written are failed (vLLM recomputes from the first)."""
@@ -216,29 +390,44 @@ class WorkerSide:
         bad = range(first_bad // self.block_size, -(-op.end // self.block_size))
         return LoadOutcome(max(0, written_end - op.start), frozenset(op.block_table[i] for i in bad))
 
-    def _queue(self, op: SaveOp) -> bool:
-        """Offer `op` to the queue: copied (here, now) if it fits; whether it was queued."""
+    def _save_blocks(self, op: SaveOp) -> tuple[int, tuple[int, ...]]:
+        """Index of the first vLLM block of `op`'s KV in its block table, and the blocks holding it."""
         first, end = op.kv_start // self.block_size, -(-len(op.tokens) // self.block_size)
         if end > len(op.block_table):
             raise InvalidInputError(
                 f"save of {len(op.tokens)} tokens past the request's {len(op.block_table)} blocks"
             )
-        block_ids = op.block_table[first:end]
+        return first, tuple(op.block_table[first:end])
+
+    def _queue(self, op: SaveOp) -> bool:
+        """Offer `op` to the queue: copied (here, now) if it fits; whether it was queued."""
+        first, block_ids = self._save_blocks(op)
 
         def copy() -> SaveJob:
-            blocks = layout.copy_blocks(self.layers, block_ids)
+            blocks = layout.copy_blocks(self.layers, block_ids, self.layout)
             return SaveJob(op.tokens, op.kv_start, blocks, op.kv_start - first * self.block_size)
 
         return self.saves.offer(len(block_ids) * self._block_bytes, copy)
 
     def _send(self, job: SaveJob) -> None:
         """Store one copied save (the sender thread)."""
-        new_blocks = self.guard.call("store", functools.partial(self._store, job))
-        self.saved_blocks += new_blocks or 0
+        if job.ready is not None:
+            # CUDA: the model runner queued the copies; wait for them here, never in the step.
+            if not job.ready.wait(self.copy_timeout_s) or job.copied is None:
+                # The buffer is not returned to the pool: a copy may still land in it.
+                self.guard.log.warning("kvsieve save dropped: its copy out of vLLM's cache did not finish")
+                return
+            job.copied.synchronize()
+        try:
+            new_blocks = self.guard.call("store", functools.partial(self._store, job))
+            self.saved_blocks += new_blocks or 0
+        finally:
+            if job.ready is not None:
+                self.staging.give(job.blocks)
 
     def _store(self, job: SaveJob) -> int:
         num_tokens = len(job.tokens) - job.kv_start
-        kv = layout.blocks_to_kv(job.blocks, self.spec.head_dim, job.offset, num_tokens)
+        kv = layout.blocks_to_kv(job.blocks, self.layout, job.offset, num_tokens)
         result = self.client.store(
             np.asarray(job.tokens, np.uint32),
             kv,

@@ -50,7 +50,7 @@ PUBLISHED = {
     "layered_vs_importance_cold layered_vs_importance_warm layer_read_0_25_ms layered_block_bytes_ratio",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
-    "ttft_kvsieve_miss_s miss_overhead",
+    "ttft_kvsieve_miss_s miss_overhead first_token_mismatches",
 }
 # A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
 # otherwise the first key, a string, says why, and none of the peer's keys is printed.

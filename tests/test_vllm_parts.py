@@ -437,3 +437,16 @@ def test_driver_lines_without_a_reply_are_log_text() -> None:
     from engine_adapter.vllm.driver import _split_reply
 
     assert _split_reply("INFO starting\n") == (None, "INFO starting\n")
+
+
+# -- benchmark answers ------------------------------------------------------------------
+
+
+def test_bench_counts_first_tokens_that_differ_from_recompute() -> None:
+    from bench.vllm_bench import Answer, first_token_mismatches
+
+    recompute = [Answer(1.0, 11), Answer(1.1, 12), Answer(0.9, 13)]
+    assert first_token_mismatches(recompute, [Answer(0.2, 11), Answer(0.3, 12), Answer(0.2, 13)]) == 0
+    assert first_token_mismatches(recompute, [Answer(0.2, 11), Answer(0.3, 99), Answer(0.2, 7)]) == 2
+    with pytest.raises(ValueError, match="2 answers for 3 documents"):
+        first_token_mismatches(recompute, recompute[:2])

@@ -24,7 +24,7 @@ from kvstore.budget import Budget, resolve_budget
 from kvstore.client.arenas import ArenaPool, ClientArena
 from kvstore.client.layer_by_layer import EmptyLayeredLoad, RemoteLayeredLoad
 from kvstore.client.stream import RemoteLoadStream, domain_error
-from kvstore.errors import NotFoundError, RpcFailedError
+from kvstore.errors import InvalidInputError, NotFoundError, RpcFailedError
 from kvstore.keys import as_token_array, validate_namespace
 from kvstore.model import ModelSpec
 from kvstore.rpc import shm
@@ -84,6 +84,20 @@ class KVClient:
         reply = self._call(self._stub.Lookup, request)
         self._packed_tokens |= reply.packed_tokens
         return LookupResult(reply.num_tokens, reply.num_blocks, reply.memory_blocks)
+
+    def lookup_many(self, token_lists: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many rows of `token_lists` (k, n), from the first, are cached whole, each looked
+        up from the root on its own: one round trip. Raises `RpcFailedError` (UNIMPLEMENTED)
+        from a server older than this RPC."""
+        lists = np.asarray(token_lists)
+        if lists.ndim != 2 or lists.shape[1] == 0:
+            raise InvalidInputError(f"token_lists must have shape (lists, tokens > 0), got {lists.shape}")
+        request = pb.LookupManyRequest(
+            ctx=_ctx(model, namespace),
+            tokens_u32le=_tokens(lists.reshape(-1)).astype("<u4", copy=False).tobytes(),
+            list_tokens=lists.shape[1],
+        )
+        return int(self._call(self._stub.LookupMany, request).leading_cached)
 
     def store(
         self,

@@ -102,6 +102,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             )
 
     @override
+    async def LookupMany(self, request: pb.LookupManyRequest, context: Any) -> pb.LookupManyResponse:
+        async with self._guard(context):
+            model, namespace, _ = self._authorised(context, request.ctx)
+            if self._store.local_only and len(request.tokens_u32le) // 4 <= _INLINE_LOOKUP_TOKENS:
+                cached = self._lookup_many(request, model, namespace)
+            else:
+                cached = await asyncio.to_thread(self._lookup_many, request, model, namespace)
+            self._tenants.add(namespace, {"lookups": 1, "lookup_hits": int(cached > 0)})
+            return pb.LookupManyResponse(leading_cached=cached)
+
+    @override
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
         async with self._guard(context), self._streaming():
             slot, idle = self._stream_slot(context), self._config.stream_idle_s
@@ -316,6 +327,20 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def _lookup(self, request: pb.LookupRequest, model: ModelSpec, namespace: str) -> LookupResult:
         tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")
         return self._store.lookup(tokens, model=model, namespace=namespace)
+
+    def _lookup_many(self, request: pb.LookupManyRequest, model: ModelSpec, namespace: str) -> int:
+        """How many of the request's lists, from the first, are cached whole."""
+        if not request.tokens_u32le:
+            return 0
+        tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")
+        n = request.list_tokens
+        if n == 0 or len(tokens) % n:
+            raise InvalidInputError(f"list_tokens: {n} does not divide the {len(tokens)} tokens sent")
+        lists = tokens.reshape(-1, n)
+        for index, listed in enumerate(lists):
+            if self._store.lookup(listed, model=model, namespace=namespace).num_tokens < n:
+                return index
+        return len(lists)
 
     def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
         tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")

@@ -56,6 +56,22 @@ class LookupResponse(_message.Message):
     packed_tokens: bool
     def __init__(self, num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., packed_tokens: _Optional[bool] = ...) -> None: ...
 
+class LookupManyRequest(_message.Message):
+    __slots__ = ("ctx", "tokens_u32le", "list_tokens")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    LIST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens_u32le: bytes
+    list_tokens: int
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens_u32le: _Optional[bytes] = ..., list_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupManyResponse(_message.Message):
+    __slots__ = ("leading_cached",)
+    LEADING_CACHED_FIELD_NUMBER: _ClassVar[int]
+    leading_cached: int
+    def __init__(self, leading_cached: _Optional[int] = ...) -> None: ...
+
 class StoreHeader(_message.Message):
     __slots__ = ("ctx", "tokens", "scores", "kv_start", "arena_id")
     CTX_FIELD_NUMBER: _ClassVar[int]

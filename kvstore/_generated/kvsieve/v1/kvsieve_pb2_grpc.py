@@ -84,6 +84,11 @@ class KVCacheStub:
                 request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersRequest.SerializeToString,
                 response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersResponse.FromString,
                 _registered_method=True)
+        self.LookupMany = channel.unary_unary(
+                '/kvsieve.v1.KVCache/LookupMany',
+                request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyRequest.SerializeToString,
+                response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -149,6 +154,12 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.LoadLayers,
                     request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersRequest.FromString,
                     response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LayersResponse.SerializeToString,
+            ),
+            'LookupMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupMany,
+                    request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyRequest.FromString,
+                    response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +489,33 @@ class KVCache:
             '/kvsieve.v1.KVCache/LoadLayers',
             kvsieve_dot_v1_dot_kvsieve__pb2.LayersRequest.SerializeToString,
             kvsieve_dot_v1_dot_kvsieve__pb2.LayersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsieve.v1.KVCache/LookupMany',
+            kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyRequest.SerializeToString,
+            kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

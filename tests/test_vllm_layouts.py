@@ -324,6 +324,17 @@ def _worker(store: object, caches: list[torch.Tensor], found: layout.CacheLayout
     return worker
 
 
+def test_staging_pool_reuses_its_buffers_across_sizes() -> None:
+    staging = HostStaging(pin=False)  # on a CPU cache nothing is pinned
+    for tokens in (300, 341, 257, 320):  # loads of varying length, one size class (64 KiB)
+        buffer = staging.take((LAYERS, 2, HEADS, tokens, DIM), torch.bfloat16)
+        assert buffer.shape == (LAYERS, 2, HEADS, tokens, DIM) and not buffer.is_pinned()
+        staging.give(buffer)
+    assert staging.allocated == 1
+    held = [staging.take((1024,), torch.float32) for _ in range(3)]  # taken at once: three buffers
+    assert len({b.data_ptr() for b in held}) == 3
+
+
 # -- on a GPU ----------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -22,11 +22,14 @@ import torch
 
 
 class HostStaging:
-    """A pool of host buffers, pinned when `pin`, reused by byte size. Thread-safe.
+    """A pool of host buffers, pinned when `pin`, reused across steps. Thread-safe.
+
+    Buffers are kept in power-of-two size classes, so loads and saves of varying
+    lengths reuse the same few allocations (at most twice the bytes asked for).
 
     Args:
         pin: page-lock the buffers (the cache is on a CUDA device).
-        keep_per_size: free buffers kept per size; more are released.
+        keep_per_size: free buffers kept per size class; more are released.
     """
 
     def __init__(self, pin: bool, keep_per_size: int = 4) -> None:
@@ -34,24 +37,30 @@ class HostStaging:
         self.keep_per_size = keep_per_size
         self.allocated = 0  # buffers ever created (a warm pool stops counting)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._lent: dict[int, torch.Tensor] = {}  # data pointer -> the whole buffer it starts
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of `shape` and `dtype` (contents undefined), pinned when the pool pins."""
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        size = max(_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
         with self._lock:
-            free = self._free.get(nbytes)
+            free = self._free.get(size)
             raw = free.pop() if free else None
+        created = raw is None
         if raw is None:
-            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            with self._lock:
-                self.allocated += 1
-        return raw.view(dtype).view(shape)
+            raw = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        with self._lock:
+            self.allocated += created
+            self._lent[raw.data_ptr()] = raw
+        return raw[:nbytes].view(dtype).view(shape)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from `take` (no copy may still be reading or writing it)."""
-        raw = buffer.view(-1).view(torch.uint8)
         with self._lock:
+            raw = self._lent.pop(buffer.data_ptr(), None)
+            if raw is None:
+                return
             free = self._free[raw.numel()]
             if len(free) < self.keep_per_size:
                 free.append(raw)
@@ -83,6 +92,9 @@ class CopyStream:
     def compute_waits_for(event: torch.cuda.Event) -> None:
         """Make the compute stream's later work wait for `event` (the host does not wait)."""
         torch.cuda.current_stream().wait_event(event)
+
+
+_MIN_BYTES = 4096
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -64,6 +64,7 @@ class SaveJob:
         ready: CUDA only: set once every layer's copy is queued and `copied` recorded.
         copied: CUDA only: done when the device-to-host copies have landed in `blocks`.
         layers_done: CUDA only: which layers are copied (or queued) so far.
+        device_block_ids: CUDA only: `block_ids` on the cache's device.
     """
 
     tokens: tuple[int, ...]
@@ -74,6 +75,7 @@ class SaveJob:
     ready: threading.Event | None = None
     copied: torch.cuda.Event | None = None
     layers_done: set[int] | None = None
+    device_block_ids: torch.Tensor | None = None
 
 
 def layer_order(names: list[str]) -> list[str]:
@@ -340,7 +342,8 @@ class WorkerSide:
         shape = layout.block_copy_shape(self.layers[0], len(block_ids), self.layout, len(self.layers))
         blocks = self.staging.take(shape, self.layers[0].dtype)
         offset = op.kv_start - first * self.block_size
-        job = SaveJob(op.tokens, op.kv_start, blocks, offset, block_ids, threading.Event(), None, set())
+        ids = torch.as_tensor(block_ids, dtype=torch.int64).to(self.device)
+        job = SaveJob(op.tokens, op.kv_start, blocks, offset, block_ids, threading.Event(), None, set(), ids)
         jobs.append(job)
         return job
 
@@ -348,12 +351,10 @@ class WorkerSide:
         """Gather one layer's blocks of `job` on the compute stream (ordered after the layer's
         writes; the gathered tensor is ours, so vLLM may reuse the blocks at once) and copy it to
         the job's pinned buffer on the side stream."""
-        assert self.copies is not None and job.layers_done is not None
+        assert self.copies is not None and job.layers_done is not None and job.device_block_ids is not None
         if index in job.layers_done:
             return
-        layer = self.layers[index]
-        ids = torch.as_tensor(job.block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        gathered = torch.index_select(layer, self.layout.block_axis, ids)
+        gathered = torch.index_select(self.layers[index], self.layout.block_axis, job.device_block_ids)
         self.copies.after_compute()
         with torch.cuda.stream(self.copies.stream):
             job.blocks[index].copy_(gathered, non_blocking=True)

@@ -20,6 +20,7 @@ The tiers only store bytes and count them. Every method is thread-safe.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +34,7 @@ from kvstore.errors import KVSieveError, StoreFullError, TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.eviction import create_policy
 from kvstore.index.leases import LeaseTable
+from kvstore.index.listener import BlockListener
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
@@ -69,6 +71,10 @@ class StoreIndex:
         self._unreclaimed: set[bytes] = set()  # forgotten blocks still to delete from local tiers
         self._counters = counters
         self.memory_evictions = 0  # chunks evicted from memory since start
+        # Told of every listed and unlisted block (KV events); changes and their news are made
+        # under one lock so that the news arrives in the order of the changes.
+        self._listener: BlockListener | None = None
+        self._listen_lock = threading.Lock()
 
     # -- what is cached -----------------------------------------------------------
 
@@ -79,7 +85,23 @@ class StoreIndex:
     def insert(self, root: RootId, meta: BlockMeta) -> None:
         """List a block whose data is held (its parent must be listed). Mutates."""
         parent = None if meta.depth == 0 else meta.parent
-        self.tree.insert(root, parent, meta.tokens, meta.key, meta.nbytes, meta)
+        with self._listen_lock:
+            self.tree.insert(root, parent, meta.tokens, meta.key, meta.nbytes, meta)
+            if self._listener is not None:
+                self._listener.blocks_listed((meta,))
+
+    def watch(self, listener: BlockListener | None) -> None:
+        """Tell `listener` of every block listed or unlisted from now on (None: nobody). Mutates."""
+        with self._listen_lock:
+            self._listener = listener
+
+    def _unlist(self, remove: Callable[[], list[Node]]) -> list[Node]:
+        """Run a tree removal and tell the listener what left, in one step."""
+        with self._listen_lock:
+            removed = remove()
+            if removed and self._listener is not None:
+                self._listener.blocks_unlisted([node.payload for node in removed])
+        return removed
 
     def update(self, node: Node, meta: BlockMeta) -> None:
         """Replace a listed block's metadata (new scores). Mutates."""
@@ -94,7 +116,7 @@ class StoreIndex:
         Returns the bytes freed on the local durable tiers.
         """
         with self._memory_lock:
-            removed = self.tree.remove(key)
+            removed = self._unlist(lambda: self.tree.remove(key))
             for node in removed:
                 self._drop_from_memory_locked(node.payload)
         if removed:
@@ -167,7 +189,7 @@ class StoreIndex:
         num_bytes -= self._reclaim()
         if num_bytes <= 0:
             return
-        victims = self.tree.evict(num_bytes)
+        victims = self._unlist(lambda: self.tree.evict(num_bytes))
         with self._memory_lock:
             for node in victims:
                 self._drop_from_memory_locked(node.payload)
@@ -190,7 +212,7 @@ class StoreIndex:
                     raise StoreFullError(f"{size} B of new blocks exceed the memory tier's {capacity} B")
                 if usage.used_bytes + size <= capacity:
                     return
-                victims = self.tree.evict(usage.used_bytes + size - capacity)
+                victims = self._unlist(functools.partial(self.tree.evict, usage.used_bytes + size - capacity))
                 if not victims:
                     raise StoreFullError(
                         "memory tier is full of pinned blocks and there is no disk tier; nothing was kept"

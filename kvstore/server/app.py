@@ -21,12 +21,13 @@ from grpc_reflection.v1alpha import reflection
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.config import StoreConfig
+from kvstore.events.publisher import Publisher, medium_of, open_publisher
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.rpc.channel import channel_options
 from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
 from kvstore.server.listen import bind
-from kvstore.server.metrics import Metrics
+from kvstore.server.metrics import EventsCollector, Metrics
 from kvstore.server.servicer import KVCacheServicer
 from kvstore.store.tiered import TieredStore
 
@@ -45,6 +46,7 @@ class RunningServer:
     servicer: KVCacheServicer
     _metrics_httpd: Any = None
     _sweeper: asyncio.Task[None] | None = None
+    kv_events: Publisher | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new calls, let in-flight ones finish for `grace_s`, then close the store."""
@@ -55,13 +57,23 @@ class RunningServer:
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
         self.servicer.arenas.close()
+        if self.kv_events is not None:
+            self.store.watch(None)
+            await asyncio.to_thread(self.kv_events.close)  # publishes what is queued first
         self.store.close()
 
 
 async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServer:
     """Open the store and start serving. The caller stops it with `RunningServer.stop`."""
     store = TieredStore(store_config)
+    try:
+        kv_events = _start_kv_events(config, store)
+    except BaseException:
+        store.close()
+        raise
     metrics = Metrics(store)
+    if kv_events is not None:
+        metrics.registry.register(EventsCollector(kv_events))
     server = grpc.aio.server(
         options=channel_options(config.max_message_bytes),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
@@ -77,7 +89,17 @@ async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServe
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     httpd, metrics_address = _start_metrics(config, metrics)
     sweeper = asyncio.create_task(_sweep_arenas(servicer))
-    return RunningServer(server, store, address, metrics_address, health_servicer, servicer, httpd, sweeper)
+    return RunningServer(
+        server, store, address, metrics_address, health_servicer, servicer, httpd, sweeper, kv_events
+    )
+
+
+def _start_kv_events(config: ServerConfig, store: TieredStore) -> Publisher | None:
+    """Publish KV events for routers when `kv_events` is set (an error names a bad address)."""
+    events = config.events_config(medium_of(store.config.lmdb_dir is not None, store.config.has_remote))
+    if events is None:
+        return None
+    return open_publisher(events, store.config.block_tokens, store)
 
 
 async def _sweep_arenas(servicer: KVCacheServicer, every_s: float = 2.0) -> None:
@@ -137,6 +159,11 @@ async def serve_forever(config: ServerConfig, store_config: StoreConfig) -> None
     )
     if running.metrics_address:
         print(f"metrics at {running.metrics_address}", flush=True)
+    if running.kv_events is not None:
+        events = running.kv_events.config
+        replay = f", replay on {events.replay_endpoint}" if events.replay_endpoint else ""
+        shape = f"{events.medium}, blocks of {events.router_block_tokens} tokens"
+        print(f"KV events on {events.endpoint}{replay} ({shape})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import InvalidInputError
+from kvstore.events.publisher import EventsConfig
 from kvstore.rpc.channel import is_loopback
 
 
@@ -48,6 +49,18 @@ class ServerConfig:
         namespace_max_inflight_bytes: KV of one tenant's Store streams being received at once;
             0 = half of max_inflight_store_bytes, at least max_store_bytes (see
             `inflight_bytes_per_tenant`).
+        kv_events: publish KV events for routers (vLLM's format) on this ZMQ address, e.g.
+            tcp://127.0.0.1:5557; empty disables (docs/integrations.md).
+        kv_events_replay: ZMQ address of the replay socket routers ask for missed batches.
+        kv_events_topic: topic frame of every KV event (llm-d: kv@<pod>@<model>).
+        kv_events_block_tokens: the router's block size in tokens; divides block_tokens.
+        kv_events_connect: connect to a subscriber that binds (llm-d) instead of binding.
+        kv_events_allow_remote: let kv_events bind a non-loopback address (events carry every
+            tenant's token ids, without auth).
+        kv_events_queue: block changes waiting to be published before news is dropped (then a
+            snapshot is published).
+        kv_events_replay_batches: published batches kept for replay.
+        kv_events_heartbeat_s: an empty batch after this many seconds without news.
     """
 
     listen: str = "127.0.0.1:50051"
@@ -76,6 +89,15 @@ class ServerConfig:
     stream_idle_s: float = 30.0
     namespace_max_streams: int = 0
     namespace_max_inflight_bytes: int = 0
+    kv_events: str = ""
+    kv_events_replay: str = ""
+    kv_events_topic: str = ""
+    kv_events_block_tokens: int = 16
+    kv_events_connect: bool = False
+    kv_events_allow_remote: bool = False
+    kv_events_queue: int = 100_000
+    kv_events_replay_batches: int = 10_000
+    kv_events_heartbeat_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -87,6 +109,7 @@ class ServerConfig:
         if self.max_concurrent_rpcs < 1:
             raise InvalidInputError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         self._check_limits()
+        self._check_kv_events()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidInputError("tls_cert and tls_key must be given together")
         if not self.is_loopback and not self.auth_tokens and not self.allow_insecure_remote:
@@ -123,6 +146,34 @@ class ServerConfig:
                 "and shows every tenant's figures; bind a loopback address (127.0.0.1:PORT) or set "
                 "metrics_allow_remote (--metrics-allow-remote)"
             )
+
+    def _check_kv_events(self) -> None:
+        if not self.kv_events and self.kv_events_replay:
+            raise InvalidInputError("kv_events_replay needs kv_events (the publishing address)")
+        self.events_config("CPU")  # validates the addresses and sizes
+        for name in ("kv_events", "kv_events_replay"):
+            address = getattr(self, name)
+            host_port = address.removeprefix("tcp://")
+            if (
+                address.startswith("tcp://")
+                and not is_loopback(host_port)
+                and not self.kv_events_allow_remote
+            ):
+                raise InvalidInputError(
+                    f"refusing to publish KV events on {address}: they carry every tenant's token ids "
+                    "and have no auth; use a loopback address (tcp://127.0.0.1:PORT) or set "
+                    "kv_events_allow_remote (--kv-events-allow-remote)"
+                )
+
+    def events_config(self, medium: str) -> EventsConfig | None:
+        """The KV-event publisher's configuration (None when kv_events is empty)."""
+        if not self.kv_events:
+            return None
+        return EventsConfig(
+            self.kv_events, self.kv_events_replay, self.kv_events_topic, self.kv_events_block_tokens,
+            self.kv_events_connect, self.kv_events_queue, self.kv_events_replay_batches,
+            self.kv_events_heartbeat_s, medium,
+        )  # fmt: skip
 
     def _check_tenant_shares(self) -> None:
         """A tenant's share of a server-wide limit must leave room for the others."""

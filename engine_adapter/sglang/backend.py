@@ -59,7 +59,7 @@ def _never_raises(default: Callable[..., Any]) -> Callable[[Callable[..., T]], C
                 return method(self, *args, **kwargs)
             except Exception:
                 logger.exception("kvsieve: %s failed: treated as a miss", method.__name__)
-                return default(*args)  # type: ignore[no-any-return]
+                return default(*args)
 
         return guarded
 
@@ -70,7 +70,7 @@ def _all_false(keys: Sequence[str], *_: Any) -> list[bool]:
     return [False] * len(keys)
 
 
-class KvsieveStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped here
+class KvsieveStorage(HiCacheStorage):  # SGLang is untyped here: HiCacheStorage is Any to mypy
     """SGLang's L3 storage on a `kvsieve serve` sidecar.
 
     Args:
@@ -177,10 +177,14 @@ class KvsieveStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
 
     @_never_raises(lambda *a: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many leading `keys` the sidecar holds (all looked up at once, in parallel)."""
+        """How many leading `keys` the sidecar holds: one LookupMany call (one lookup per key,
+        in parallel, on a sidecar older than that RPC)."""
         fmt = self._default_format()
         if fmt is None or not keys:
             return 0
+        leading = self._pages.leading(fmt, keys)
+        if leading is not None:
+            return leading
         found = list(self._executor.map(lambda key: self._pages.contains(fmt, key), keys))
         return found.index(False) if False in found else len(found)
 

@@ -83,7 +83,10 @@ class PoolPages:
         Raises:
             ValueError: `flat` is not one page of this pool (size or dtype).
         """
-        if flat.numel() * flat.element_size() != self.page_bytes or flat.element_size() != self._ints.element_size():
+        if (
+            flat.numel() * flat.element_size() != self.page_bytes
+            or flat.element_size() != self._ints.element_size()
+        ):
             raise ValueError(
                 f"a page of this pool is {self.page_bytes} bytes of {self.dtype}, "
                 f"got {flat.numel()} elements of {flat.dtype}"
@@ -105,7 +108,9 @@ class PoolPages:
 
     def fill_canonical(self, canonical: torch.Tensor, page: Array) -> None:
         """Copy canonical `page` bytes into a canonical view (from `canonical_of_flat`). Mutates it."""
-        canonical.copy_(torch.from_numpy(np.ascontiguousarray(page).view(self._np_int)).view(self.canonical_shape))
+        canonical.copy_(
+            torch.from_numpy(np.ascontiguousarray(page).view(self._np_int)).view(self.canonical_shape)
+        )
 
     @property
     def _np_int(self) -> np.dtype[Any]:

@@ -52,8 +52,8 @@ class BackendSettings:
             raise ValueError(f"kvsieve_timeout_s must be in (0, 600], got {self.timeout_s}")
         if not 0 <= self.retry_s <= 600:
             raise ValueError(f"kvsieve_retry_s must be in [0, 600], got {self.retry_s}")
-        if not 1 <= self.tokens_per_page <= 65536:
-            raise ValueError(f"kvsieve_tokens_per_page must be in [1, 65536], got {self.tokens_per_page}")
+        if not 4 <= self.tokens_per_page <= 65536:  # the first 4 tokens carry the key's digest
+            raise ValueError(f"kvsieve_tokens_per_page must be in [4, 65536], got {self.tokens_per_page}")
         if not 1 <= self.workers <= 64:
             raise ValueError(f"kvsieve_workers must be in [1, 64], got {self.workers}")
         if not self.namespace or len(self.namespace) > 256:
@@ -62,7 +62,7 @@ class BackendSettings:
     @property
     def shm(self) -> bool | str:
         """`KVClient`'s use_shm argument."""
-        return {"auto": "auto", "true": True, "false": False}[self.use_shm]
+        return "auto" if self.use_shm == "auto" else self.use_shm == "true"
 
     def root_certificates(self) -> bytes | None:
         """The CA bundle's bytes, or None for plaintext."""
@@ -72,7 +72,9 @@ class BackendSettings:
             return handle.read()
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> BackendSettings:
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> BackendSettings:
         """Settings from the extra config's `kvsieve_*` keys, then `KVSIEVE_SGLANG_*` variables.
 
         Raises:
@@ -86,7 +88,7 @@ class BackendSettings:
             raw = extra.get(key, env.get(_ENV_PREFIX + field.name.upper()))
             if raw is None:
                 continue
-            kind = type(field.default)
+            kind: type[Any] = type(field.default)
             try:
                 values[field.name] = str(raw).lower() if field.name == "use_shm" else kind(raw)
             except (TypeError, ValueError):

@@ -11,6 +11,7 @@ soon as the sidecar is back, without waiting out gRPC's reconnect backoff.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
 from engine_adapter.sglang.pages import PageFormat
 from engine_adapter.sglang.settings import BackendSettings
 from kvstore.client.kvclient import KVClient
+from kvstore.errors import RpcFailedError
 
 Array = np.ndarray[Any, Any]
 logger = logging.getLogger(__name__)
@@ -65,7 +68,9 @@ class PageStore:
         if client is None:
             return self._count_store(False)
         try:
-            result = client.store(fmt.tokens(key), carrier, model=fmt.spec, namespace=self._settings.namespace)
+            result = client.store(
+                fmt.tokens(key), carrier, model=fmt.spec, namespace=self._settings.namespace
+            )
         except Exception as exc:  # any failure is a page not stored; SGLang carries on
             self._failed(client, "store", exc)
             return self._count_store(False)
@@ -119,6 +124,26 @@ class PageStore:
             return False
         return found.num_tokens >= fmt.tokens_per_page
 
+    def leading(self, fmt: PageFormat, keys: list[str]) -> int | None:
+        """How many of `keys`, from the first, the sidecar holds whole: one LookupMany call.
+
+        None when the sidecar is older than LookupMany (ask `contains` per key instead);
+        0 when it failed.
+        """
+        client = self._usable_client()
+        if client is None or not keys:
+            return 0
+        lists = fmt.tokens_of(keys)
+        try:
+            return client.lookup_many(lists, model=fmt.spec, namespace=self._settings.namespace)
+        except RpcFailedError as exc:
+            if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            self._failed(client, "lookup_many", exc)
+        except Exception as exc:
+            self._failed(client, "lookup_many", exc)
+        return 0
+
     def close(self) -> None:
         """Close the channel (idempotent)."""
         with self._lock:
@@ -158,10 +183,8 @@ class PageStore:
             else:
                 client = None  # type: ignore[assignment]  # another thread replaced it already
         if client is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken channel may fail too
                 client.close()
-            except Exception:  # closing a broken channel may fail too; nothing to do
-                pass
 
     def _warn_short(self, stored: int, wanted: int) -> None:
         if not self._warned_short:

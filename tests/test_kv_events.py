@@ -243,8 +243,8 @@ def test_a_namespace_carries_its_salt_and_its_own_hashes(published: Published) -
     salted = [e for e in events if e.extra_keys is not None]
     salt = hashing.namespace_salt("tenant-a")
     assert salt is not None and "tenant-a" not in salt  # the digest, never the tenant's name
-    assert [e.extra_keys for e in salted] == [[(hashing.SALT_PREFIX + salt,), None]]
-    assert salted[0].parent_block_hash is None
+    assert [e.extra_keys for e in salted] == [[(hashing.SALT_PREFIX + salt,), None]] * 2
+    assert salted[1].parent_block_hash == salted[0].block_hashes[-1]
 
 
 def test_forgotten_and_corrupt_blocks_are_removed(tmp_path: Path, context: zmq.Context[Any]) -> None:

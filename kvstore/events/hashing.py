@@ -75,9 +75,13 @@ def namespace_salt(namespace: str) -> str | None:
 
 
 def extra_keys(meta: BlockMeta, count: int) -> list[tuple[Any, ...] | None] | None:
-    """The extra keys of a stored block's router blocks: the namespace's salt on the first
-    router block of a prefix (vLLM puts a request's cache salt there), nothing elsewhere."""
+    """The extra keys of a stored block's router blocks: the namespace's salt on the first one.
+
+    vLLM puts a request's cache salt on the first block of the request only; kvsieve publishes
+    one event per stored block and repeats the salt on each event's first block, because Dynamo
+    1.6 reads an event's salt from its own first block (later releases also take it from the
+    parent, which the repeated salt agrees with)."""
     salt = router_salt(meta.namespace)
-    if salt is None or meta.depth != 0:
+    if salt is None:
         return None
     return [(SALT_PREFIX + salt,), *([None] * (count - 1))]

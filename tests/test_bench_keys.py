@@ -48,6 +48,7 @@ PUBLISHED = {
     "layout": "store_mb_s_importance store_mb_s_layered cold_full_mb_s_importance cold_full_mb_s_layered "
     "warm_full_mb_s_importance warm_full_mb_s_layered warm_0_25_ms_importance warm_0_25_ms_layered "
     "layered_vs_importance_cold layered_vs_importance_warm layer_read_0_25_ms layered_block_bytes_ratio",
+    "sglang": "",  # every figure needs SGLang: see PEER_KEYS
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches",
@@ -58,6 +59,11 @@ PEER_KEYS = {
     "radix": (
         "sglang_unavailable",
         "match_us_sglang insert_us_sglang bytes_per_block_sglang radix_speedup_vs_sglang",
+    ),
+    "sglang": (
+        "sglang_unavailable",
+        "roundtrip_exact wrong_pages batch_get_v1_vs_shm_load batch_set_v1_vs_shm_store "
+        "batch_exists_128_vs_lookup",
     ),
 }
 # "vllm" is not run here: even --quick starts vLLM four times (minutes), past CI's budget for
@@ -74,6 +80,7 @@ PEER_KEYS = {
         pytest.param("readamp", marks=pytest.mark.model),
         pytest.param("quality", marks=pytest.mark.model),
         "radix",
+        "sglang",
         "layout",
         pytest.param("remote", marks=pytest.mark.model),
     ],

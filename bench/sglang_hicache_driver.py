@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--kvsieve-python", default=sys.executable)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--redis-url", help="scenarios: also share pages through this Redis")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the backend's expected misses log warnings
     from bench import sglang_hicache_runs as runs
@@ -57,7 +58,7 @@ def main() -> None:
         parser.error("--work DIR is required")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.mode == "scenarios":
-        out = runs.scenarios(args.kvsieve_python, args.work)
+        out = runs.scenarios(args.kvsieve_python, args.work, args.redis_url)
     else:
         out = runs.measure(args.kvsieve_python, args.work, quick=args.quick)
     print(json.dumps(out))

@@ -70,9 +70,12 @@ def _free_port() -> int:
 class Sidecar:
     """A real `kvsieve serve` (kvsieve's interpreter), stoppable, pausable, restartable in place."""
 
-    def __init__(self, python: str, data_dir: Path, block_tokens: int = 256, chunk_tokens: int = 16) -> None:
+    def __init__(
+        self, python: str, data_dir: Path, block_tokens: int = 256, chunk_tokens: int = 16, *extra: str
+    ) -> None:
         self.python, self.data_dir = python, data_dir
         self.block_tokens, self.chunk_tokens = block_tokens, chunk_tokens
+        self.extra = list(extra)
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -84,7 +87,7 @@ class Sidecar:
         cmd = [self.python, "-m", "kvstore.cli.main", "serve", "--listen", self.address]
         cmd += ["--metrics-listen", f"127.0.0.1:{_free_port()}", "--data-dir", str(self.data_dir)]
         cmd += ["--block-tokens", str(self.block_tokens), "--chunk-tokens", str(self.chunk_tokens)]
-        cmd += ["--max-store-tokens", "65536"]
+        cmd += ["--max-store-tokens", "65536", *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") and k != "PYTHONPATH"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 60
@@ -233,8 +236,8 @@ def pages_equal(a: Any, a_pages: range, b: Any, b_pages: range) -> list[bool]:
 # --- scenarios (tests/test_sglang_hicache.py) ---------------------------------------------------
 
 
-def scenarios(python: str, work: Path) -> dict[str, Any]:
-    """Every behaviour the test checks, as observations."""
+def scenarios(python: str, work: Path, redis_url: str | None = None) -> dict[str, Any]:
+    """Every behaviour the test checks, as observations (sharing through Redis when given a URL)."""
     sidecar = Sidecar(python, work / "sidecar").start()
     out: dict[str, Any] = {}
     try:
@@ -260,6 +263,8 @@ def scenarios(python: str, work: Path) -> dict[str, Any]:
         out["paused"] = _paused(sidecar, keys)
         out["corrupt"] = _corrupt_on_disk(sidecar, source, keys)
         out["mla"] = _mla(sidecar)
+        if redis_url:
+            out["redis"] = _shared_through_redis(python, work, redis_url)
         out["stats"] = {"backup_pgs": writer.get_stats().backup_pgs, "clear": writer.clear()}
     finally:
         sidecar.stop()
@@ -422,6 +427,39 @@ def _corrupt_on_disk(sidecar: Sidecar, source: Any, keys: list[str]) -> dict[str
         "victim_slot_untouched": bool(torch.all(token_major(target, 1) == 0)),
     }
     backend.close()
+    return out
+
+
+def _shared_through_redis(python: str, work: Path, redis_url: str) -> dict[str, Any]:
+    """Two sidecars with their own disks and one Redis tier: pages one SGLang instance stored
+    through the first are found and loaded by another instance through the second."""
+    remote = (
+        "--remote-url",
+        redis_url,
+        "--remote-prefix",
+        f"sglang-{os.getpid()}",
+        "--no-remote-write-behind",
+    )
+    first = Sidecar(python, work / "first", 256, 16, *remote).start()
+    second = Sidecar(python, work / "second", 256, 16, *remote).start()
+    try:
+        source = mha_pool(SMALL, "page_first", 8, seed=9)
+        writer = attach(storage_config(first.address), source)
+        keys = [f"shared-{i}-{os.getpid()}" for i in range(8)]
+        stored = writer.batch_set_v1(keys, slots(source, 0, 8))
+        target = mha_pool(SMALL, "layer_first", 8)
+        reader = attach(storage_config(second.address), target)
+        out = {
+            "set_v1": stored,
+            "exists": reader.batch_exists(keys),
+            "get_v1": reader.batch_get_v1(keys, slots(target, 0, 8)),
+            "equal": pages_equal(source, range(8), target, range(8)),
+        }
+        writer.close()
+        reader.close()
+    finally:
+        first.stop()
+        second.stop()
     return out
 
 

@@ -12,6 +12,7 @@ sidecar, and the page format's end-to-end check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -35,12 +36,14 @@ DRIVER = Path(__file__).resolve().parent.parent / "bench" / "sglang_hicache_driv
 
 
 @pytest.fixture(scope="module")
-def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every scenario, run once by SGLang's code against a real sidecar."""
+def seen(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Every scenario, run once by SGLang's code against real sidecars (and Redis, when there)."""
     python = require_sglang()
     work = tmp_path_factory.mktemp("sglang")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [str(python), str(DRIVER), "scenarios", "--kvsieve-python", sys.executable, "--work", str(work)]
+    with contextlib.suppress(pytest.skip.Exception):  # no redis-server (fails under KVSIEVE_REQUIRE_REDIS=1)
+        cmd += ["--redis-url", request.getfixturevalue("redis_url")]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     observed: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -135,6 +138,17 @@ def test_mla_pages_are_shared_by_tp_ranks_across_layouts(seen: dict[str, Any]) -
     assert mla["set_v1"] == [True] * 8
     assert mla["get_v1_rank1"] == [True] * 8
     assert mla["equal"] == [True] * 8
+
+
+@pytest.mark.sglang
+def test_pages_are_shared_through_redis_by_an_instance_on_another_sidecar(seen: dict[str, Any]) -> None:
+    if "redis" not in seen:
+        pytest.skip("redis-server not installed")
+    shared = seen["redis"]
+    assert shared["set_v1"] == [True] * 8
+    assert shared["exists"] == 8
+    assert shared["get_v1"] == [True] * 8
+    assert shared["equal"] == [True] * 8
 
 
 @pytest.mark.sglang

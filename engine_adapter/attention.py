@@ -51,12 +51,12 @@ class AttentionStats:
         new = w[:, p:]
         visible = torch.arange(new.shape[1], 0, -1, dtype=torch.float32)  # queries that see key j
         mass = new.sum(dim=0)
-        self.raw_by_layer[layer] = mass.numpy()
-        self.prefill_by_layer[layer] = (mass / visible).numpy()
+        self.raw_by_layer[layer] = mass.cpu().numpy()
+        self.prefill_by_layer[layer] = (mass / visible).cpu().numpy()
         if p:
             prefix = w[:, :p]
             per_query = prefix / prefix.sum(dim=1, keepdim=True).clamp_min(1e-12)
-            self.history_by_layer[layer] = per_query.mean(dim=0).numpy()
+            self.history_by_layer[layer] = per_query.mean(dim=0).cpu().numpy()
 
     @property
     def prefill(self) -> np.ndarray[Any, Any]:

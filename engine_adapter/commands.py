@@ -56,7 +56,7 @@ def register(commands: Subcommands) -> None:
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.sampling import GENERATE_NO_REPEAT_NGRAM, Sampling
 
     budget, sampling = parameter_default(Engine.generate, "budget"), Sampling()
     p.add_argument("prompt", help="the user message (the question, when --context is given)")
@@ -93,6 +93,11 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
                    help=f"nucleus sampling mass (default {sampling.top_p})")  # fmt: skip
     p.add_argument("--seed", type=int, default=sampling.seed, help="sampling seed")
     p.add_argument("--stop", action="append", default=list(sampling.stop), help="stop string (repeatable)")
+    p.add_argument(
+        "--no-repeat-ngram", type=int, default=GENERATE_NO_REPEAT_NGRAM, metavar="N",
+        help="repetition guard: no run of N tokens appears twice in the answer, so a greedy answer "
+        f"cannot loop; 0 = off, the model's plain output (default {GENERATE_NO_REPEAT_NGRAM})",
+    )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="say where the time went")
 
 
@@ -140,20 +145,28 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
         default = parameter_default(Engine, "namespace")
         p.add_argument("--namespace", default=default, help=f"tenant / cache salt (default: {default})")
     p.add_argument("--model", type=Path, help="a local Hugging Face model directory instead of SmolLM2")
+    p.add_argument(
+        "--device", default="cpu", metavar="cpu|cuda|cuda:N|auto",
+        help="where the model computes; loaded KV is copied there layer by layer through pooled pinned "
+        "buffers (auto = CUDA when present; default cpu)",
+    )  # fmt: skip
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine_adapter.device import resolve_device
     from engine_adapter.engine import Engine
     from engine_adapter.model import load_model
     from engine_adapter.sampling import Sampling
 
-    sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+    sampling = Sampling(
+        args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop), args.no_repeat_ngram
+    )
     user = args.prompt if args.context is None else f"{_read_context(args.context)}\n\n{args.prompt}"
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": user}
     ]
     budget = resolve_budget(args.budget, coverage=args.coverage)  # before the model loads
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=resolve_device(args.device))
     store = _open_store(args)
     try:
         engine = Engine(lm, store, namespace=args.namespace, choose_with_last=args.choose_with_last)
@@ -166,6 +179,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         _print_timings(args, result, lm.spec.fingerprint.hex())
         _print_budget(budget, engine.last_load)
         _print_layered(engine.last_layered)
+    if engine.transfer.last_error:
+        error = engine.transfer.last_error
+        print(f"copy to {lm.device} failed ({error}): prompt recomputed", file=sys.stderr)
     return 0
 
 
@@ -263,6 +279,7 @@ def _read_context(source: str) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from engine_adapter.device import resolve_device
     from engine_adapter.dsl import Limits, plan, run_program
     from engine_adapter.dsl.plan import check_args
     from engine_adapter.engine import Engine
@@ -272,10 +289,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     source = args.program.read_text()
     values = dict(_key_value(item) for item in args.arg)
     check_args(plan(source, limits), values)  # bad programs and arguments fail before the model loads
+    device = resolve_device(args.device)
     store = _open_store(args)
     exit_code = 0
     try:
-        engine = Engine(load_model(args.model), store, namespace=args.namespace)
+        engine = Engine(load_model(args.model, device=device), store, namespace=args.namespace)
         for event in run_program(engine, source, values, limits=limits, keep=args.keep):
             _print_event(event, args.json)
             exit_code = 1 if event.kind == "error" else exit_code
@@ -310,15 +328,17 @@ def _print_event(event: Event, as_json: bool) -> None:
 def _cmd_engine(args: argparse.Namespace) -> int:
     import asyncio
 
+    from engine_adapter.device import resolve_device
     from engine_adapter.engine import Engine
     from engine_adapter.model import load_model
     from engine_adapter.server import check_engine_config, serve_engine
 
     config = _engine_config(args)
     check_engine_config(config)  # refuse before the model loads
+    device = resolve_device(args.device)
     store = _open_store(args)
     try:
-        asyncio.run(serve_engine(Engine(load_model(args.model), store), config))
+        asyncio.run(serve_engine(Engine(load_model(args.model, device=device), store), config))
     finally:
         if store is not None:
             store.close()

@@ -22,26 +22,81 @@ _INCOMPLETE = "\ufffd"
 
 
 class Sampler:
-    """Chooses next tokens under one request's `Sampling`, with its own seeded generator."""
+    """Chooses next tokens under one request's `Sampling`, with its own seeded generator.
+
+    With `sampling.no_repeat_ngram` it also remembers, per row, the tokens it chose, and
+    never chooses one that would repeat an n-gram of them (`NoRepeatNgram`): one sampler
+    per answer (or per batch of answers, a row each).
+    """
 
     def __init__(self, sampling: Sampling) -> None:
         self.sampling = sampling
         self.generator = torch.Generator()
         # Unseeded: a fresh random seed (a greedy sampler never draws from it).
         self.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        self._guards: list[NoRepeatNgram] = []
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of `logits` (batch, vocab)."""
+        if self.sampling.no_repeat_ngram:
+            logits = self._ban_repeats(logits)
+        chosen = self._choose(logits)
+        for guard, token in zip(self._guards, chosen.tolist(), strict=False):
+            guard.add(int(token))
+        return chosen
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         sampling = self.sampling
         if sampling.temperature == 0.0:
             return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+        # Drawn on the CPU, where the seeded generator is (same seed, same answer on any device).
+        probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
         if sampling.top_p < 1.0:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             keep = sorted_probs.cumsum(dim=-1) - sorted_probs < sampling.top_p  # always keeps the top token
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
+
+    def _ban_repeats(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with each row's repeating tokens at -inf (a copy; the caller's is untouched)."""
+        while len(self._guards) < logits.shape[0]:
+            self._guards.append(NoRepeatNgram(self.sampling.no_repeat_ngram))
+        banned = [(row, sorted(guard.banned())) for row, guard in enumerate(self._guards)]
+        if not any(tokens for _, tokens in banned):
+            return logits
+        logits = logits.clone()
+        for row, tokens in banned:
+            if tokens:
+                logits[row, tokens] = float("-inf")
+        return logits
+
+
+class NoRepeatNgram:
+    """The repetition guard of one answer: which next tokens would repeat an n-gram of it.
+
+    Only the answer's own tokens count (an answer may quote its prompt). Kept
+    incrementally, a dict from each (n-1)-token run to the tokens seen after it, so a
+    token costs O(n) however long the answer grows.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: list[int] = []
+        self._followers: dict[tuple[int, ...], set[int]] = {}
+
+    def add(self, token: int) -> None:
+        """Record the answer's next token."""
+        self.tokens.append(token)
+        if len(self.tokens) >= self.n:
+            run = tuple(self.tokens[len(self.tokens) - self.n : -1])
+            self._followers.setdefault(run, set()).add(token)
+
+    def banned(self) -> set[int]:
+        """Tokens that would end a run of n tokens already in the answer."""
+        if len(self.tokens) < self.n - 1:
+            return set()
+        return self._followers.get(tuple(self.tokens[len(self.tokens) - self.n + 1 :]), set())
 
 
 class IncrementalText:

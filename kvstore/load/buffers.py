@@ -1,4 +1,4 @@
-"""glibc malloc tuning for processes that move large buffers.
+"""Host buffers for moving KV: glibc malloc tuning, and a pool of staging buffers for devices.
 
 Chunks are 0.1-6 MB. glibc serves allocations above its mmap threshold with
 fresh mmap()s, whose pages fault in one by one on first touch, and returns them
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Any
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -29,3 +30,85 @@ def keep_large_buffers(mmap_threshold_bytes: int = 256 << 20, trim_threshold_byt
     except (OSError, AttributeError):
         return False
     return bool(ok_mmap and ok_trim)
+
+
+class StagingError(RuntimeError):
+    """A copy through staging buffers could not be made (no room, or the device failed)."""
+
+
+class StagingPool:
+    """Host buffers that copies to and from a device pass through, reused across loads.
+
+    Page-locked (`pin`) where CUDA is present: DMA reads them directly, so a copy from
+    them is asynchronous; page-locking costs milliseconds per buffer, which is why they
+    are kept rather than allocated per load. A buffer is handed back with the event of
+    the copy still using it and is reused only once that copy finished. Buffers are
+    whole powers of two (>= 64 KiB) so loads of nearby sizes share them.
+
+    Args:
+        pin: page-lock the buffers (needs CUDA).
+        max_bytes: all buffers together, in use or free, at most this many bytes.
+
+    Not thread-safe: one engine (one request at a time) owns a pool.
+    """
+
+    MIN_BUFFER_BYTES = 64 << 10
+
+    def __init__(self, pin: bool = False, max_bytes: int = 4 << 30) -> None:
+        if max_bytes < self.MIN_BUFFER_BYTES:
+            raise ValueError(f"max_bytes must be at least {self.MIN_BUFFER_BYTES}, got {max_bytes}")
+        self.pin, self.max_bytes = pin, max_bytes
+        self._free: list[Any] = []  # uint8 tensors, ready
+        self._busy: list[tuple[Any, Any]] = []  # (buffer, event of the copy using it), oldest first
+        #: Buffers allocated so far (tests: none after warm-up), and their bytes.
+        self.allocations = 0
+        self.pooled_bytes = 0
+
+    def take(self, num_bytes: int) -> Any:
+        """A uint8 tensor of at least `num_bytes` bytes, nobody else's until `give`.
+
+        Raises:
+            StagingError: it cannot fit under `max_bytes` even after the copies in flight end.
+        """
+        while True:
+            self._collect()
+            if (buffer := self._take_free(num_bytes)) is not None:
+                return buffer
+            capacity = max(self.MIN_BUFFER_BYTES, 1 << max(num_bytes - 1, 0).bit_length())
+            if self.pooled_bytes + capacity <= self.max_bytes:
+                return self._allocate(capacity)
+            if self._free:  # too small for this load: make room for a bigger one
+                self.pooled_bytes -= self._free.pop(0).numel()
+                continue
+            if not self._busy:
+                raise StagingError(
+                    f"a staging buffer of {num_bytes} bytes does not fit the pool's limit of "
+                    f"{self.max_bytes} bytes"
+                )
+            self._busy[0][1].synchronize()  # wait for the oldest copy, then reuse its buffer
+
+    def give(self, buffer: Any, done: Any = None) -> None:
+        """Hand `buffer` back; `done` (a CUDA event) completes when the copy using it ends."""
+        if done is None:
+            self._free.append(buffer)
+        else:
+            self._busy.append((buffer, done))
+
+    def _collect(self) -> None:
+        while self._busy and self._busy[0][1].query():
+            self._free.append(self._busy.pop(0)[0])
+
+    def _take_free(self, num_bytes: int) -> Any:
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= num_bytes]
+        if not fits:
+            return None
+        best = min(fits, key=lambda i: self._free[i].numel())
+        return self._free.pop(best)  # by index: tensors compare elementwise, not by identity
+
+    def _allocate(self, capacity: int) -> Any:
+        import torch
+
+        buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
+        self.allocations += 1
+        self.pooled_bytes += capacity
+        return buffer

@@ -1,20 +1,29 @@
-"""Moving loaded KV to an accelerator: through a pinned staging buffer, asynchronously.
+"""Moving KV between host arrays and an accelerator: through pooled staging buffers, asynchronously.
 
-Behind a device check: without CUDA (tests, this machine) the KV becomes a CPU
-tensor and nothing else changes.
+`DeviceCopier` owns a `StagingPool` and, on CUDA, its own copy stream: an upload
+stages the host array into a pooled (page-locked) buffer and copies it to the
+device with `non_blocking=True` on the copy stream, returning an event that the
+compute stream waits on when (and only when) it needs that tensor; a download
+copies a device tensor into a pooled buffer on the copy stream, so the host side
+(e.g. storing it) can wait for it later, off the critical path. On the CPU the
+same calls copy synchronously (events are None): the code path the tests run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvstore.load.buffers import StagingError, StagingPool
 from kvstore.tiers.pinned import cuda_available
 
+Array = np.ndarray[Any, Any]
 
-def to_device(kv: np.ndarray[Any, Any], device: str = "cuda") -> Any:
-    """A torch tensor of `kv` on `device`.
+
+def to_device(kv: Array, device: str = "cuda") -> Any:
+    """A torch tensor of `kv` on `device` (one-off; loads in a loop use `DeviceCopier`).
 
     On CUDA the array is copied once into page-locked memory and from there by
     DMA (`non_blocking=True`), so the copy overlaps with the caller's work; call
@@ -31,3 +40,124 @@ def to_device(kv: np.ndarray[Any, Any], device: str = "cuda") -> Any:
     staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
     staging.copy_(host)
     return staging.to(device, non_blocking=True)
+
+
+@dataclass
+class PendingDownload:
+    """A device tensor on its way into a staging buffer; `result` waits and hands back an array."""
+
+    staged: Any  # torch tensor view of `buffer`
+    buffer: Any
+    event: Any  # CUDA event, or None when the copy is already done
+    pool: StagingPool
+    source: Any = None  # kept alive until the copy ends: its memory must not be reused meanwhile
+
+    def result(self) -> Array:
+        """The tensor's values as a host array the caller owns (waits for the copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        array = np.array(self.staged.numpy())  # the buffer goes back to the pool: copy out of it
+        self.pool.give(self.buffer)
+        self.source = None
+        return array
+
+
+class DeviceCopier:
+    """Copies between host arrays and one torch device through a `StagingPool`.
+
+    Args:
+        device: a torch device (or its name).
+        pool: the staging buffers; by default a new pool, page-locked on CUDA.
+
+    Not thread-safe: one engine (one request at a time) owns a copier.
+    """
+
+    def __init__(self, device: Any, pool: StagingPool | None = None) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pool = pool if pool is not None else StagingPool(pin=self.cuda)
+        #: The stream copies run on (None on CPU): never the compute stream, so a copy
+        #: waits for nothing queued there and compute waits only on the copy's event.
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def follow_current(self) -> None:
+        """Make later copies wait for the work queued so far on the current (compute) stream.
+
+        Needed before writing device memory that compute may still have been using
+        (the caching allocator hands freed blocks out again at once). A no-op on CPU.
+        """
+        import torch
+
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def upload(self, source: Array, target: Any, order: Array | None = None) -> Any:
+        """Copy host `source` (positions reordered by `order` along axis -2, if given) into `target`.
+
+        `target` is a tensor on the device, of `source`'s shape and any float dtype (the
+        conversion happens in the copy). Returns the copy's CUDA event (None on CPU,
+        where the copy is done on return); the compute stream must wait on it before
+        reading `target`.
+
+        Raises:
+            StagingError: no staging buffer fits, or the device refused the copy (out of
+                memory, a CUDA error): `target` must not be used.
+        """
+        import torch
+
+        buffer = self.pool.take(source.nbytes)
+        staged = buffer[: source.nbytes].view(_torch_dtype(source.dtype)).view(source.shape)
+        if order is None:
+            np.copyto(staged.numpy(), source)
+        else:
+            np.take(source, order, axis=-2, out=staged.numpy())
+        if self.stream is None:
+            target.copy_(staged)
+            self.pool.give(buffer)
+            return None
+        try:
+            with torch.cuda.stream(self.stream):
+                target.copy_(staged, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
+            self.pool.give(buffer)
+            raise StagingError(f"copying {source.nbytes} bytes to {self.device} failed: {exc}") from exc
+        self.pool.give(buffer, event)
+        return event
+
+    def download(self, source: Any) -> PendingDownload:
+        """Start copying device tensor `source` to the host; `.result()` waits for it.
+
+        On CUDA the copy stream first waits for the work queued so far on the current
+        stream (which computed `source`), then copies into a pooled buffer.
+
+        Raises:
+            StagingError: as for `upload`.
+        """
+        import torch
+
+        num_bytes = source.numel() * source.element_size()
+        buffer = self.pool.take(num_bytes)
+        staged = buffer[:num_bytes].view(source.dtype).view(source.shape)
+        if self.stream is None:
+            staged.copy_(source)
+            return PendingDownload(staged, buffer, None, self.pool)
+        try:
+            self.follow_current()  # `source` was computed there
+            with torch.cuda.stream(self.stream):
+                staged.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        except RuntimeError as exc:
+            self.pool.give(buffer)
+            raise StagingError(f"copying {num_bytes} bytes from {self.device} failed: {exc}") from exc
+        return PendingDownload(staged, buffer, event, self.pool, source)
+
+
+def _torch_dtype(dtype: np.dtype[Any]) -> Any:
+    import torch
+
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -178,6 +179,34 @@ def test_lookup_many_counts_the_leading_lists_cached_whole(sidecar: Sidecar) -> 
         assert client.lookup_many(lists[:2], model=model, namespace="other") == 0
         halves = lists[:2, :16].copy()  # a cached block's first half is not a whole list of 16...
         assert client.lookup_many(halves, model=model) == 0  # ...blocks are 32 tokens
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_load_many_loads_each_list_whole_in_one_stream(sidecar: Sidecar, use_shm: bool) -> None:
+    model = ModelSpec("load-many", 2, 1, 8)
+    lists = np.arange(4 * 64, dtype=np.uint32).reshape(4, 64) + 5000
+    kvs = [np.full(model.kv_shape(64), row + 1, np.float16) for row in range(4)]
+    kvs[0][..., 40, :] = 7  # one token unlike its neighbours: positions must be kept
+    with KVClient(sidecar.address, use_shm=use_shm) as client:
+        for row in (0, 1, 3):
+            client.store(lists[row], kvs[row], model=model)
+        client.store(lists[2][:32], kvs[2][:, :, :, :32], model=model)  # only its first block
+        seen, in_arena = [], []
+        for row, delivered, kv in client.load_many(lists, model=model):
+            seen.append((row, delivered, np.array(kv)))
+            in_arena.append(isinstance(_memory_of(kv), mmap.mmap))
+    assert [(row, delivered) for row, delivered, _ in seen] == [(0, 64), (1, 64), (2, 32), (3, 64)]
+    assert in_arena == [use_shm] * 4  # shared memory when asked for, inline bytes otherwise
+    for row, delivered, kv in seen:
+        assert np.array_equal(kv, kvs[row][:, :, :, :delivered])
+
+
+def _memory_of(array: np.ndarray[Any, Any]) -> object:
+    """The object that owns an array's memory (an mmap for a view of an arena)."""
+    base: object = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
 
 
 def test_lookup_many_refuses_lists_it_cannot_cut(sidecar: Sidecar) -> None:

@@ -47,6 +47,8 @@ Array = np.ndarray[Any, Any]
 T = TypeVar("T")
 # MLA latent KV is the same on every TP rank: its pages are shared by all ranks.
 SHARED_RANK = -1
+# Arena bytes of one LoadMany stream: 43 SmolLM2 pages of 64 tokens.
+_GROUP_BYTES = 64 << 20
 
 
 def _never_raises(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -198,12 +200,8 @@ class KvsieveStorage(HiCacheStorage):  # SGLang is untyped here: HiCacheStorage 
         starts = self._page_starts(keys, host_indices)
         if starts is None:
             return [False] * len(keys)
-        pool, fmt = starts[0], starts[1]
-
-        def load(key: str, index: int) -> bool:
-            return self._pages.fetch(fmt, key, lambda page: pool.write(index, page))
-
-        results = list(self._executor.map(load, keys, starts[2]))
+        pool, fmt, slots = starts
+        results = self._load_groups(keys, slots, pool, fmt)
         self._note(self._prefetch_pages, sum(results))
         return results
 
@@ -314,6 +312,24 @@ class KvsieveStorage(HiCacheStorage):  # SGLang is untyped here: HiCacheStorage 
             return None
         starts = host_indices.reshape(-1)[::page_size].tolist()
         return self._pool, self._format, [int(s) for s in starts]
+
+    def _load_groups(self, keys: list[str], slots: list[int], pool: PoolPages, fmt: PageFormat) -> list[bool]:
+        """Pages into the pool: one LoadMany stream per `_GROUP_BYTES` of pages, the groups in
+        parallel; page by page on a sidecar older than LoadMany. (Splitting a batch into more
+        streams than that was slower: 0.38 of the reference against 0.9 with one stream, on 2 cores.)"""
+        per_group = max(1, _GROUP_BYTES // fmt.carrier_bytes)
+        groups = [range(start, min(start + per_group, len(keys))) for start in range(0, len(keys), per_group)]
+
+        def load_group(group: range) -> list[bool]:
+            def place(member: int, page: Array) -> None:
+                pool.write(slots[group[member]], page)
+
+            found = self._pages.fetch_many(fmt, [keys[i] for i in group], place)
+            if found is not None:
+                return found
+            return [self._pages.fetch(fmt, keys[i], functools.partial(pool.write, slots[i])) for i in group]
+
+        return [flag for flags in self._executor.map(load_group, groups) for flag in flags]
 
     def _note(self, pages: list[int], count: int) -> None:
         with self._metrics_lock:

@@ -12,6 +12,7 @@ soon as the sidecar is back, without waiting out gRPC's reconnect backoff.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -96,21 +97,60 @@ class PageStore:
                 complete = stream.num_tokens == fmt.tokens_per_page and np.array_equal(
                     positions, np.arange(fmt.tokens_per_page)
                 )
-                if not complete:
+                if not complete or not self._hand_over(fmt, key, kv, consume):
                     return self._count_read(False)
-                carrier = np.ascontiguousarray(kv)  # the arena's slots may be strided
-                if not fmt.check(key, carrier):
-                    logger.warning("kvsieve: page %s came back damaged or not its own: a miss", key)
-                    with self._lock:
-                        self.counters.rejected += 1
-                    return self._count_read(False)
-                consume(fmt.page_view(carrier))
         except Exception as exc:  # a miss: SGLang recomputes the page
             self._failed(client, "load", exc)
             return self._count_read(False)
         with self._lock:
             self.counters.bytes_read += fmt.page_bytes
         return self._count_read(True)
+
+    def fetch_many(
+        self, fmt: PageFormat, keys: list[str], consume: Callable[[int, Array], None]
+    ) -> list[bool] | None:
+        """`fetch` of every key in one LoadMany stream: `consume(i, page bytes)` for each page
+        found whole and intact; a success flag per key. None when the sidecar is older than
+        LoadMany (fetch one by one instead)."""
+        found = [False] * len(keys)
+        client = self._usable_client()
+        if client is not None and keys:
+            try:
+                lists = fmt.tokens_of(keys)
+                for index, delivered, kv in client.load_many(
+                    lists, model=fmt.spec, namespace=self._settings.namespace
+                ):
+                    if delivered == fmt.tokens_per_page:
+                        found[index] = self._hand_over(
+                            fmt, keys[index], kv, functools.partial(consume, index)
+                        )
+            except RpcFailedError as exc:
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                self._failed(client, "load_many", exc)
+            except Exception as exc:  # every page not handed over is a miss
+                self._failed(client, "load_many", exc)
+        hits = sum(found)
+        with self._lock:
+            self.counters.hits += hits
+            self.counters.misses += len(keys) - hits
+            self.counters.bytes_read += hits * fmt.page_bytes
+        return found
+
+    def _hand_over(self, fmt: PageFormat, key: str, kv: Array, consume: Callable[[Array], None]) -> bool:
+        """Check a whole loaded carrier and give its page to `consume`; False if it is not intact."""
+        carrier = np.ascontiguousarray(kv)  # the arena's slots may be strided
+        if not fmt.check(key, carrier):
+            logger.warning("kvsieve: page %s came back damaged or not its own: a miss", key)
+            with self._lock:
+                self.counters.rejected += 1
+            return False
+        try:
+            consume(fmt.page_view(carrier))
+        except Exception:  # the host pool refused it: that page is a miss, the batch goes on
+            logger.exception("kvsieve: could not place page %s", key)
+            return False
+        return True
 
     def contains(self, fmt: PageFormat, key: str) -> bool:
         """Whether the sidecar holds the whole page of `key` (no data read)."""

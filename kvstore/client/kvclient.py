@@ -29,7 +29,7 @@ from kvstore.keys import as_token_array, validate_namespace
 from kvstore.model import ModelSpec
 from kvstore.rpc import shm
 from kvstore.rpc.channel import channel_options, is_loopback
-from kvstore.rpc.messages import budget_to_fields, ctx_to_pb, kv_bytes, stats_from_pb
+from kvstore.rpc.messages import budget_to_fields, ctx_to_pb, kv_bytes, kv_from_bytes, stats_from_pb
 from kvstore.stats import StoreStats
 from kvstore.values import DEFAULT_NAMESPACE, LookupResult, StoreResult, validate_kv
 
@@ -98,6 +98,56 @@ class KVClient:
             list_tokens=lists.shape[1],
         )
         return int(self._call(self._stub.LookupMany, request).leading_cached)
+
+    def load_many(
+        self, token_lists: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
+    ) -> Iterator[tuple[int, int, Array]]:
+        """Each row of `token_lists` (k, n) loaded whole from the root on its own, in one stream.
+
+        Yields (row, tokens delivered, kv of shape (layers, 2, heads, delivered, dim)) per row,
+        in order; fewer than n tokens delivered means part of that row was not cached. A `kv`
+        is valid only until the next item (it may be a view of a shared-memory arena); leaving
+        the loop early cancels the call. Raises `RpcFailedError` (UNIMPLEMENTED) from a
+        server older than this RPC.
+        """
+        lists = np.asarray(token_lists)
+        if lists.ndim != 2 or lists.shape[1] == 0:
+            raise InvalidInputError(f"token_lists must have shape (lists, tokens > 0), got {lists.shape}")
+        n = lists.shape[1]
+        request = pb.LoadManyRequest(
+            ctx=_ctx(model, namespace),
+            tokens_u32le=_tokens(lists.reshape(-1)).astype("<u4", copy=False).tobytes(),
+            list_tokens=n,
+        )
+        self._release_orphans()
+        arena = (
+            self._arenas.take(namespace, lists.size * model.token_bytes) if self._shm and lists.size else None
+        )
+        if arena is not None:
+            request.arena_id = arena.arena_id
+        responses, finished = None, False
+        try:
+            responses = self._stub.LoadMany(request, timeout=self._timeout, metadata=self._metadata)
+            dense = None if arena is None else shm.dense_view(arena.buf, model)
+            for reply in responses:
+                if reply.shm and dense is not None:
+                    start = reply.index * n
+                    yield reply.index, reply.num_tokens, dense[:, :, :, start : start + reply.num_tokens]
+                else:
+                    yield (
+                        reply.index,
+                        reply.num_tokens,
+                        kv_from_bytes(reply.kv, model, reply.num_tokens, "kv"),
+                    )
+            finished = True
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+        finally:
+            dense = None  # no view may outlive the loan of the arena
+            if responses is not None and not finished:
+                responses.cancel()
+            if arena is not None:
+                (self._arenas.give if finished else self._arenas.discard)(arena)
 
     def store(
         self,

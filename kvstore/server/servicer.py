@@ -30,7 +30,8 @@ from kvstore.errors import ArenaLimitError, InvalidInputError, LimitExceededErro
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
 from kvstore.rpc.messages import budget_from_fields, ctx_from_pb, stats_to_pb
-from kvstore.rpc.shm import ServerArena
+from kvstore.rpc.shm import ServerArena, dense_view
+from kvstore.server import many
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.backend import SidecarStore
@@ -111,6 +112,29 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 cached = await asyncio.to_thread(self._lookup_many, request, model, namespace)
             self._tenants.add(namespace, {"lookups": 1, "lookup_hits": int(cached > 0)})
             return pb.LookupManyResponse(leading_cached=cached)
+
+    @override
+    async def LoadMany(self, request: pb.LoadManyRequest, context: Any) -> None:
+        async with self._guard(context), self._streaming():
+            slot = self._stream_slot(context)
+            model, namespace, token = self._authorised(context, request.ctx)
+            slot.claim(tenant_of(token, namespace))
+            lists = await asyncio.to_thread(many.token_lists, request, self._config.max_lookup_tokens)
+            arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
+            dense = None if arena is None else dense_view(arena.buf, model)
+            bytes_read = 0
+            try:
+                for index, listed in enumerate(lists):
+                    reply, read = await asyncio.to_thread(
+                        many.load_list, self._store, listed, index, model, namespace, dense
+                    )
+                    bytes_read += read
+                    await self._send_load(context, reply)
+            finally:
+                dense = None  # no view of the arena may outlive the call
+                if arena is not None:
+                    self.arenas.done(request.arena_id)
+            self._tenants.add(namespace, {"loads": len(lists), "bytes_read": bytes_read})
 
     @override
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
@@ -310,7 +334,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             slot.claim(tenant_of(self._auth.caller(context.invocation_metadata()), ""))
         return slot
 
-    async def _send_load(self, context: Any, message: pb.LoadResponse | bytes) -> None:
+    async def _send_load(self, context: Any, message: pb.LoadResponse | pb.LoadManyResponse | bytes) -> None:
         idle = self._config.stream_idle_s
         refusal = f"Load: the client took no answer for {idle:g} s (stream_idle_s); the load was ended"
         await within(context.write(message), idle, refusal, gone=context.done)
@@ -329,18 +353,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return self._store.lookup(tokens, model=model, namespace=namespace)
 
     def _lookup_many(self, request: pb.LookupManyRequest, model: ModelSpec, namespace: str) -> int:
-        """How many of the request's lists, from the first, are cached whole."""
-        if not request.tokens_u32le:
-            return 0
-        tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")
-        n = request.list_tokens
-        if n == 0 or len(tokens) % n:
-            raise InvalidInputError(f"list_tokens: {n} does not divide the {len(tokens)} tokens sent")
-        lists = tokens.reshape(-1, n)
-        for index, listed in enumerate(lists):
-            if self._store.lookup(listed, model=model, namespace=namespace).num_tokens < n:
-                return index
-        return len(lists)
+        lists = many.token_lists(request, self._config.max_lookup_tokens)
+        return many.leading_cached(self._store, lists, model, namespace)
 
     def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
         tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")

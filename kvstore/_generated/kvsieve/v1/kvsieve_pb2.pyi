@@ -72,6 +72,30 @@ class LookupManyResponse(_message.Message):
     leading_cached: int
     def __init__(self, leading_cached: _Optional[int] = ...) -> None: ...
 
+class LoadManyRequest(_message.Message):
+    __slots__ = ("ctx", "tokens_u32le", "list_tokens", "arena_id")
+    CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    LIST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    ctx: RequestContext
+    tokens_u32le: bytes
+    list_tokens: int
+    arena_id: str
+    def __init__(self, ctx: _Optional[_Union[RequestContext, _Mapping]] = ..., tokens_u32le: _Optional[bytes] = ..., list_tokens: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
+
+class LoadManyResponse(_message.Message):
+    __slots__ = ("index", "num_tokens", "shm", "kv")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    num_tokens: int
+    shm: bool
+    kv: bytes
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., shm: _Optional[bool] = ..., kv: _Optional[bytes] = ...) -> None: ...
+
 class StoreHeader(_message.Message):
     __slots__ = ("ctx", "tokens", "scores", "kv_start", "arena_id")
     CTX_FIELD_NUMBER: _ClassVar[int]

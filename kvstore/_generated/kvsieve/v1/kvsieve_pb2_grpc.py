@@ -89,6 +89,11 @@ class KVCacheStub:
                 request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyRequest.SerializeToString,
                 response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyResponse.FromString,
                 _registered_method=True)
+        self.LoadMany = channel.unary_stream(
+                '/kvsieve.v1.KVCache/LoadMany',
+                request_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LoadManyRequest.SerializeToString,
+                response_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LoadManyResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -160,6 +165,12 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.LookupMany,
                     request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyRequest.FromString,
                     response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyResponse.SerializeToString,
+            ),
+            'LoadMany': grpc.unary_stream_rpc_method_handler(
+                    servicer.LoadMany,
+                    request_deserializer=kvsieve_dot_v1_dot_kvsieve__pb2.LoadManyRequest.FromString,
+                    response_serializer=kvsieve_dot_v1_dot_kvsieve__pb2.LoadManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class KVCache:
             '/kvsieve.v1.KVCache/LookupMany',
             kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyRequest.SerializeToString,
             kvsieve_dot_v1_dot_kvsieve__pb2.LookupManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvsieve.v1.KVCache/LoadMany',
+            kvsieve_dot_v1_dot_kvsieve__pb2.LoadManyRequest.SerializeToString,
+            kvsieve_dot_v1_dot_kvsieve__pb2.LoadManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,7 +6,8 @@ pre-hook on every attention module runs when that layer's input exists: it
 computes the queries (post-RoPE, true positions) of the last `choose_with_last`
 new tokens (the question, not the document's uncached tail), scores the prefix's
 chunks against the layer's key summary (`LayeredLoad.key_summary`), chooses
-(importance/query_select.py, the choice the quality benchmark measures), reads
+(engine_adapter/chunk_mass.py in torch, then importance/query_select.py's
+`choose_by_mass`: the choice the quality benchmark simulates, held equal by a test), reads
 the chosen chunks of that layer only (`LayeredLoad.read_layer`) and copies them
 into the cache in place, before the attention reads it. Every new token is then
 computed over the chosen chunks. Cached tokens keep their
@@ -20,7 +21,6 @@ recomputes the prompt: no partial KV is used).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from engine_adapter.cache import cache_from
-from importance.query_select import choose_layer_chunks
+from engine_adapter.chunk_mass import chunk_mass
+from engine_adapter.device import copy_into_cache
+from importance.query_select import choose_by_mass
 from kvstore.api import LayeredLoad, LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError
 
@@ -176,17 +178,15 @@ class _LayerFiller:
         cos, sin = kwargs["position_embeddings"]
         last = slice(-self.query_tokens, None)  # only the choosing tokens' queries are computed
         hidden = kwargs["hidden_states"][:, last]
-        queries = layer_queries(module, hidden, cos[:, last], sin[:, last])[0].float().numpy()
+        queries = layer_queries(module, hidden, cos[:, last], sin[:, last])[0]
         approx = self.load.key_summary(layer)
-        chosen = choose_layer_chunks(queries, approx, self.chunks, scale=float(module.scaling))
+        chunk = int(self.load.chunk_tokens)
+        mass = chunk_mass(queries, torch.from_numpy(approx), chunk, float(module.scaling))
+        chosen = choose_by_mass(mass, approx.shape[1], self.chunks, chunk_tokens=chunk)
         part = self.load.read_layer(layer, [int(c) for c in chosen])
         _check_slice(layer, part, chosen, int(self.load.chunk_tokens))
-        with warnings.catch_warnings():  # torch warns about read-only arrays; the source is only read
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(np.asarray(part.kv))
-        target = self.cache.layers[layer]
-        target.keys[0].copy_(source[0])  # fp16 -> the model's dtype, in place: the mask stays valid
-        target.values[0].copy_(source[1])
+        # In place (the mask stays valid); on CUDA through pinned staging on the copy stream.
+        copy_into_cache(self.cache.layers[layer], part.kv)
         self.chosen[layer] = chosen
         self.load_s += time.perf_counter() - t0
 

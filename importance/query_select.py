@@ -61,15 +61,47 @@ def choose_layer_chunks(
         raise ValueError(
             f"queries {np.shape(queries)} and keys {keys.shape} must be (heads, tokens, head_dim)"
         )
-    n = keys.shape[1]
-    layout = ChunkLayout.natural(n, chunk_tokens)
+    mass = query_chunk_mass(queries, keys, chunk_tokens, scale)
+    return choose_by_mass(
+        mass, keys.shape[1], budget, summary_fraction=summary_fraction, chunk_tokens=chunk_tokens,
+        sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+    )  # fmt: skip
+
+
+def query_chunk_mass(queries: Array, approx_keys: Array, chunk_tokens: int, scale: float) -> Array:
+    """Each chunk's estimated share of the queries' attention, (chunks,), summing to 1.
+
+    The reference arithmetic (numpy): per query head and query, logsumexp of q.k_hat over each
+    chunk's tokens, softmax over chunks, then the mean over queries and heads. The engine
+    computes the same in torch (engine_adapter/chunk_mass.py; a test holds the two equal).
+    """
+    keys = np.asarray(approx_keys, dtype=np.float32)
+    layout = ChunkLayout.natural(keys.shape[1], chunk_tokens)
+    summary = key_summary_of(keys, layout, 0.0)
+    return chunk_mass(summary.chunk_logits(queries, scale), keys.shape[0], per_kv_head=False)[0]
+
+
+def choose_by_mass(
+    mass: Array,
+    num_tokens: int,
+    budget: Budget | int,
+    *,
+    summary_fraction: float = 0.0,
+    chunk_tokens: int = CHUNK_TOKENS,
+    sink_tokens: int = SINK_TOKENS,
+    recent_tokens: int = RECENT_TOKENS,
+) -> Array:
+    """Sorted chunk indices: the edge chunks, then chunks by descending `mass` (chunks,) within
+    `budget` (see `choose_layer_chunks`). Raises ValueError on a bad count or budget."""
+    layout = ChunkLayout.natural(num_tokens, chunk_tokens)
+    mass = np.asarray(mass, dtype=np.float64).reshape(-1)
+    if len(mass) != layout.num_chunks:
+        raise ValueError(f"mass has {len(mass)} chunks, {num_tokens} tokens make {layout.num_chunks}")
     if isinstance(budget, int | np.integer):
         if not 0 <= budget <= layout.num_chunks:
             raise ValueError(f"chunk count must be in [0, {layout.num_chunks}], got {budget}")
         tokens = int(layout.sizes[np.argsort(layout.sizes)[::-1][:budget]].sum())  # room for `budget` chunks
-        budget, summary_fraction = FixedBudget(tokens / n), 0.0
-    summary = key_summary_of(keys, layout, summary_fraction)
-    mass = chunk_mass(summary.chunk_logits(queries, scale), keys.shape[0], per_kv_head=False)
+        budget, summary_fraction = FixedBudget(tokens / num_tokens), 0.0
     forced = edge_chunks(layout, -(-sink_tokens // chunk_tokens), -(-recent_tokens // chunk_tokens))
-    choice = choose_chunks(mass, layout, budget, summary_fraction, forced)
+    choice = choose_chunks(mass[None, :], layout, budget, summary_fraction, forced)
     return np.flatnonzero(choice.chosen[0])

@@ -49,6 +49,14 @@ PUBLISHED = {
     "warm_full_mb_s_importance warm_full_mb_s_layered warm_0_25_ms_importance warm_0_25_ms_layered "
     "layered_vs_importance_cold layered_vs_importance_warm layer_read_0_25_ms layered_block_bytes_ratio",
     "sglang": "",  # every figure needs SGLang: see PEER_KEYS
+    # --quick measures 1,024 tokens only; full runs add _4096_ and _8192_ (docs/importance.md)
+    "longdoc": " ".join(
+        f"{figure}_{method}_1024_{tag}"
+        for figure in ("answer_top1", "answer_kl", "first_token", "top1", "read_fraction")
+        for method in ("engine", "static")
+        for tag in ("0_1", "0_25")
+    )
+    + " layered_path_engine_1024_0_25",
     "gpu": "cuda_available cpu_bare_copy_gb_s cpu_staged_copy_gb_s cpu_staged_vs_bare "
     "cpu_pool_allocations_after_warmup",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
@@ -87,6 +95,7 @@ PEER_KEYS = {
         pytest.param("ttft", marks=pytest.mark.model),
         pytest.param("readamp", marks=pytest.mark.model),
         pytest.param("quality", marks=pytest.mark.model),
+        pytest.param("longdoc", marks=pytest.mark.model),
         "radix",
         "sglang",
         "layout",

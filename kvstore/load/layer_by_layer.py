@@ -39,6 +39,7 @@ from radix.tree import Pin
 if TYPE_CHECKING:
     from kvstore.index.store_index import StoreIndex
     from kvstore.load.fetch import RecordFetcher
+    from kvstore.tiers.base import Tier
 
 
 def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
@@ -97,6 +98,8 @@ class LocalLayeredLoad:
         self._lowbit: dict[int, LowBitKeys] = {}
         self._pinned = pin  # released by `close`
         self._headers: dict[tuple[int, int], RangedHeader] = {}  # (block, layer): verified
+        # (tier, block key): every layer's summary record, read at once (`_summary_record`)
+        self._summary_records: dict[tuple[str, bytes], list[bytes | None]] = {}
 
     @property
     def delivered_fraction(self) -> float:
@@ -230,9 +233,7 @@ class LocalLayeredLoad:
         """One summary record, fastest tier first, verified; promoted to memory from a slower tier."""
         index = meta.record_index(layer)
         for tier in self._fetcher.tiers.all:
-            data = None
-            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
-                data = tier.get_chunks(meta, [index])[0]
+            data = self._summary_record(tier, meta, layer)
             if data is None:
                 continue
             try:
@@ -251,6 +252,25 @@ class LocalLayeredLoad:
             return summary
         self._lose(meta, "chunk_misses")
         raise NotFoundError(f"block {meta.key.hex()}: the summary of layer {layer} is in no tier")
+
+    def _summary_record(self, tier: Tier, meta: BlockMeta, layer: int) -> bytes | memoryview | None:
+        """Layer `layer`'s summary record of `meta` as `tier` holds it (None: not there).
+
+        The first request for a block reads every layer's summary from the tier in one call (one
+        transaction, adjacent values: the prefill asks for layer 0, then 1, ... within
+        milliseconds); each is handed out once, then dropped. One call per record cost 480 reads
+        for a 4,096-token prefix (issue #27, item 5).
+        """
+        cache_key = (tier.name, meta.key)
+        records = self._summary_records.get(cache_key)
+        if records is None:
+            records = [None] * meta.num_layers
+            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+                wanted = [meta.record_index(other) for other in range(meta.num_layers)]
+                records = [None if d is None else bytes(d) for d in tier.get_chunks(meta, wanted)]
+            self._summary_records[cache_key] = records
+        data, records[layer] = records[layer], None
+        return data
 
     def _lose(self, meta: BlockMeta, counter: str) -> None:
         self._counters.add(counter)

@@ -120,23 +120,15 @@ def _h2d(tokens: int) -> dict[str, Any]:
     }
 
 
-def _model(shape: tuple[int, ...]) -> Any:
-    """A Llama of `shape` with random weights, fp16, built on the GPU (no weights are read)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(shape: tuple[int, int, int, int, int, int]) -> Any:
+    """A Llama of `shape` with random weights, fp16, built on the GPU."""
+    from engine_adapter.model import random_llama
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = shape
-    config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-        head_dim=hidden // heads, max_position_embeddings=65536,
-    )  # fmt: skip
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.float16)
-    return model.eval()
+    return random_llama(shape, "cuda", torch.float16)
 
 
 @torch.inference_mode()
-def _ttft(tag: str, shape: tuple[int, ...], sizes: tuple[int, ...]) -> dict[str, Any]:
+def _ttft(tag: str, shape: tuple[int, int, int, int, int, int], sizes: tuple[int, ...]) -> dict[str, Any]:
     model = _model(shape)
     transfer = KVTransfer(torch.device("cuda"))
     figures: dict[str, Any] = {}
@@ -151,9 +143,7 @@ def _ttft(tag: str, shape: tuple[int, ...], sizes: tuple[int, ...]) -> dict[str,
 
 def _ttft_at(model: Any, transfer: KVTransfer, n: int) -> tuple[float, float, float]:
     """(recompute s, load s, share of the copy hidden behind compute) for an N-token prompt."""
-    from transformers import DynamicCache
-
-    from engine_adapter.cache import cache_from, cache_kwargs
+    from engine_adapter.cache import cache_from, cache_kwargs, empty_cache
 
     config = model.config
     ids = torch.randint(0, config.vocab_size, (1, n), device="cuda")
@@ -163,7 +153,7 @@ def _ttft_at(model: Any, transfer: KVTransfer, n: int) -> tuple[float, float, fl
     new_ids, positions = ids[:, prefix:], torch.arange(prefix, n, device="cuda").unsqueeze(0)
 
     def recompute() -> None:
-        model(input_ids=ids, logits_to_keep=1, **cache_kwargs(model, DynamicCache(config=config)))
+        model(input_ids=ids, logits_to_keep=1, **cache_kwargs(model, empty_cache(config)))
         torch.cuda.synchronize()
 
     def load() -> None:

@@ -28,6 +28,13 @@ def cache_from(config: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> A
     return cache
 
 
+def empty_cache(config: Any) -> Any:
+    """A new, empty DynamicCache for a model of `config`."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 def share_cache(cache: Any, config: Any) -> Any:
     """A new DynamicCache whose layers reference `cache`'s tensors (no copy)."""
     return cache_from(config, [(layer.keys, layer.values) for layer in cache.layers])

@@ -105,11 +105,11 @@ class LayerUpload:
     @contextlib.contextmanager
     def attached(self, model: Any) -> Iterator[None]:
         """While inside, each attention layer of `model` waits for its own layer's copy first."""
-        self._issue(min(PREFETCH_LAYERS, len(self._targets)))
         hooks = [
             layer.self_attn.register_forward_pre_hook(self._before_attention) for layer in model.model.layers
         ]
         try:
+            self._issue(min(PREFETCH_LAYERS, len(self._targets)))  # under way before compute starts
             yield
             self.wait_all()  # a layer the forward did not reach is still made whole
         finally:

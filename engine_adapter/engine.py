@@ -199,8 +199,10 @@ class Engine:
         """The layer-by-layer path (engine_adapter/layered_policy.py says when), or None.
 
         A store error mid-pass abandons it: the prompt is recomputed without the store.
+        Only on the CPU for now: `layered_prefill` builds its cache and inputs there, so on
+        another device the prefix is loaded whole instead.
         """
-        if self.store is None:
+        if self.store is None or self.lm.device.type != "cpu":
             return None
         t0 = time.perf_counter()
         plan = plan_layered(self.store, ids, budget, model=self.lm.spec, namespace=self.namespace)

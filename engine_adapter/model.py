@@ -95,6 +95,26 @@ def load_model(
     return LoadedModel(model, tokenizer, _spec(model, tokenizer, source), source)
 
 
+def random_llama(
+    shape: tuple[int, int, int, int, int, int], device: torch.device | str, dtype: torch.dtype
+) -> Any:
+    """A Llama with random weights, built directly on `device` (for timing: no weights are read).
+
+    `shape` is (hidden, intermediate, layers, attention heads, KV heads, vocabulary).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = shape
+    config = LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        head_dim=hidden // heads, max_position_embeddings=65536,
+    )  # fmt: skip
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
 def _converted_default(quiet: bool) -> Path:
     target = cache_dir() / "models" / DEFAULT_MODEL
     if (target / "model.safetensors").exists():

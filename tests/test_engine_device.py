@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +49,15 @@ def test_auto_picks_cuda_only_when_present() -> None:
 def test_cuda_without_cuda_is_a_clear_error() -> None:
     with pytest.raises(InvalidInputError, match="--device cuda: torch sees no CUDA device"):
         resolve_device("cuda")
+
+
+@pytest.mark.skipif(CUDA, reason="the error is for machines without CUDA")
+def test_generate_on_cuda_without_cuda_fails_before_loading_the_model() -> None:
+    cmd = [sys.executable, "-m", "kvstore.cli.main", "generate", "hi", "--no-store", "--device", "cuda"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "--device cuda: torch sees no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("name", ["gpu", "cuda:x", "cpu:0", ""])
@@ -105,6 +116,31 @@ def test_copier_upload_reorders_and_converts_and_download_round_trips() -> None:
     back = copier.download(target.to(torch.float16)).result()
     np.testing.assert_array_equal(back, kv[:, :, order])
     assert copier.stream is None
+
+
+def test_layer_upload_fills_the_cache_the_forward_reads() -> None:
+    """A prefix uploaded layer by layer (shuffled, reordered on the way) gives the logits of the
+    prefix's own cache: the hooks make each layer's copy land before its attention reads it."""
+    from engine_adapter.cache import cache_from, cache_kwargs, empty_cache
+    from engine_adapter.model import random_llama
+
+    torch.manual_seed(0)
+    model = random_llama((64, 128, 3, 4, 2, 100), "cpu", torch.float32)
+    ids = torch.randint(0, 100, (1, 24))
+    prefix_cache = empty_cache(model.config)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :20], **cache_kwargs(model, prefix_cache))
+        kv = torch.stack([torch.stack([x.keys[0], x.values[0]]) for x in prefix_cache.layers]).numpy()
+        expected = model(input_ids=ids[:, 20:], **cache_kwargs(model, prefix_cache)).logits
+        shuffle = np.random.default_rng(1).permutation(20)
+        transfer = KVTransfer(torch.device("cpu"), staging=True)
+        upload = transfer.upload(kv[:, :, :, shuffle], np.argsort(shuffle), torch.float32)
+        cache = cache_from(model.config, upload.pairs)
+        with upload.attached(model):
+            got = model(
+                input_ids=ids[:, 20:], position_ids=torch.arange(20, 24)[None], **cache_kwargs(model, cache)
+            ).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 # -- the engine ---------------------------------------------------------------------

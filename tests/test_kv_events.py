@@ -61,7 +61,10 @@ def vllm_event_classes() -> dict[str, Any]:
     module = types.ModuleType("vllm_kv_event_classes")  # msgspec resolves annotations in the module
     module.__dict__.update({"msgspec": msgspec, "Any": Any, "ExternalBlockHash": bytes | int})
     sys.modules[module.__name__] = module
-    exec(compile(ast.Module(classes, type_ignores=[]), "vllm/distributed/kv_events.py", "exec"), module.__dict__)
+    exec(
+        compile(ast.Module(classes, type_ignores=[]), "vllm/distributed/kv_events.py", "exec"),
+        module.__dict__,
+    )
     return module.__dict__
 
 
@@ -194,23 +197,22 @@ def close(p: Published) -> None:
 
 def test_our_bytes_are_vllms_bytes() -> None:
     """The same events through our classes and vLLM's encode to identical bytes."""
-    ours = wire.EventBatch(ts=1.5, data_parallel_rank=0, events=[
-        wire.AllBlocksCleared(),
-        wire.BlockStored(block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=[5] * 32, block_size=16,
-                         lora_id=None, medium="CPU", lora_name=None, extra_keys=[("dynamo-cache-salt:ab",), None]),
-        wire.BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=[6] * 16, block_size=16,
-                         lora_id=None, medium="STORAGE", lora_name=None),
-        wire.BlockRemoved(block_hashes=[1, 3], medium="STORAGE"),
-    ])  # fmt: skip
-    theirs = VLLM["KVEventBatch"](ts=1.5, data_parallel_rank=0, events=[
-        VLLM["AllBlocksCleared"](),
-        VLLM["BlockStored"](block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=[5] * 32,
-                            block_size=16, lora_id=None, medium="CPU", lora_name=None,
-                            extra_keys=[("dynamo-cache-salt:ab",), None]),
-        VLLM["BlockStored"](block_hashes=[3], parent_block_hash=2, token_ids=[6] * 16, block_size=16,
-                            lora_id=None, medium="STORAGE", lora_name=None),
-        VLLM["BlockRemoved"](block_hashes=[1, 3], medium="STORAGE"),
-    ])  # fmt: skip
+
+    def batch(classes: Any) -> Any:
+        stored, removed, cleared, make_batch = classes
+        salted = {"extra_keys": [("dynamo-cache-salt:ab",), None]}
+        common = {"block_size": 16, "lora_id": None, "lora_name": None}
+        return make_batch(ts=1.5, data_parallel_rank=0, events=[
+            cleared(),
+            stored(block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=[5] * 32, medium="CPU",
+                   **common, **salted),
+            stored(block_hashes=[3], parent_block_hash=2, token_ids=[6] * 16, medium="STORAGE", **common),
+            removed(block_hashes=[1, 3], medium="STORAGE"),
+        ])  # fmt: skip
+
+    ours = batch((wire.BlockStored, wire.BlockRemoved, wire.AllBlocksCleared, wire.EventBatch))
+    names = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch")
+    theirs = batch(tuple(VLLM[name] for name in names))
     encoder = msgspec.msgpack.Encoder()
     assert encoder.encode(ours) == encoder.encode(theirs)
     assert DECODER.decode(encoder.encode(ours)) == theirs
@@ -225,7 +227,11 @@ def test_snapshot_then_stored_blocks_chained_over_router_blocks(published: Publi
     events = list(dict.fromkeys(router.held.values()))  # each BlockStored once, in order
     assert [len(e.block_hashes) for e in events] == [BLOCK // ROUTER] * 3
     assert np.array_equal(np.concatenate([e.token_ids for e in events]), tokens)
-    assert [e.parent_block_hash for e in events] == [None, events[0].block_hashes[-1], events[1].block_hashes[-1]]
+    assert [e.parent_block_hash for e in events] == [
+        None,
+        events[0].block_hashes[-1],
+        events[1].block_hashes[-1],
+    ]
     assert {e.block_size for e in events} == {ROUTER} and {e.medium for e in events} == {"STORAGE"}
     keys = block_keys(tokens, BLOCK, TINY.fingerprint, namespace_digest("default"))
     assert [e.block_hashes[-1] for e in events] == [hashing.key_hash(k) for k in keys]
@@ -245,6 +251,26 @@ def test_a_namespace_carries_its_salt_and_its_own_hashes(published: Published) -
     assert salt is not None and "tenant-a" not in salt  # the digest, never the tenant's name
     assert [e.extra_keys for e in salted] == [[(hashing.SALT_PREFIX + salt,), None]] * 2
     assert salted[1].parent_block_hash == salted[0].block_hashes[-1]
+
+
+def test_siblings_share_router_blocks_and_a_shared_one_stays_while_held(published: Published) -> None:
+    """Two stored blocks with one parent and equal first 16 tokens share that router block:
+    announced once, and still held after one of the two leaves."""
+    first = make_tokens(2 * BLOCK, seed=5)
+    second = first.copy()
+    second[BLOCK + ROUTER :] += 1  # same parent block, same first router block, then different
+    for tokens in (first, second):
+        published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+    published.router.catch_up(published.publisher)
+    events = list(dict.fromkeys(published.router.held.values()))
+    assert [len(e.block_hashes) for e in events] == [2, 2, 1]  # the sibling announces its own part
+    assert events[2].parent_block_hash == events[1].block_hashes[0]
+    assert events[2].token_ids == second[BLOCK + ROUTER :].tolist()
+    keys = block_keys(first, BLOCK, TINY.fingerprint, namespace_digest("default"))
+    published.store.index.forget(keys[1])
+    published.router.catch_up(published.publisher)
+    assert set(published.router.held) == store_view(published.store)
+    assert len(published.router.held) == 4  # the parent's two, the shared one, the sibling's own
 
 
 def test_forgotten_and_corrupt_blocks_are_removed(tmp_path: Path, context: zmq.Context[Any]) -> None:
@@ -296,7 +322,9 @@ def test_many_stores_gap_free_and_equal_to_the_store(published: Published) -> No
     assert set(published.router.held) == store_view(published.store)
 
 
-def test_a_subscriber_that_never_reads_blocks_nothing(published: Published, context: zmq.Context[Any]) -> None:
+def test_a_subscriber_that_never_reads_blocks_nothing(
+    published: Published, context: zmq.Context[Any]
+) -> None:
     stalled = context.socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
@@ -377,19 +405,21 @@ def test_bad_endpoints_are_refused_at_start(tmp_path: Path) -> None:
             with pytest.raises(InvalidInputError, match="cannot bind"):
                 open_publisher(EventsConfig(f"tcp://127.0.0.1:{port}"), BLOCK, store)
             assert store.index._listener is None  # nothing was subscribed
-        result = kvsieve("serve", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0",
-                         "--metrics-listen", "", "--kv-events", f"tcp://127.0.0.1:{port}", timeout=60)  # fmt: skip
+        serve = ["serve", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0"]
+        serve += ["--metrics-listen", ""]
+        result = kvsieve(*serve, "--kv-events", f"tcp://127.0.0.1:{port}", timeout=60)
         assert result.returncode == 2
-        assert "kv_events endpoint: cannot bind" in result.stderr and "Address already in use" in result.stderr
+        assert "kv_events endpoint: cannot bind" in result.stderr
+        assert "Address already in use" in result.stderr
     finally:
         taken.close(0)
 
 
-def test_without_pyzmq_kvstore_imports_and_kv_events_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_pyzmq_kv_events_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
-    with TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)) as store:
-        with pytest.raises(InvalidInputError, match=r"pip install 'kvsieve\[events\]'"):
-            open_publisher(EventsConfig("tcp://127.0.0.1:1"), BLOCK, store)
+    config = StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)
+    with TieredStore(config) as store, pytest.raises(InvalidInputError, match=r"kvsieve\[events\]"):
+        open_publisher(EventsConfig("tcp://127.0.0.1:1"), BLOCK, store)
 
 
 def test_sequence_of_a_restarted_publisher_starts_above_the_last(published: Published) -> None:

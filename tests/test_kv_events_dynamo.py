@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +83,9 @@ def test_the_indexer_sees_every_stored_prefix(fleet: Fleet) -> None:
     shared = make_tokens(2 * BLOCK, seed=7)
     fleet.prefixes = [make_tokens(3 * BLOCK, seed=s).tolist() for s in range(4)]
     fleet.prefixes.append([*shared.tolist(), *make_tokens(BLOCK, seed=8).tolist()])
+    sibling = list(fleet.prefixes[-1])
+    sibling[-ROUTER:] = [t + 1 for t in sibling[-ROUTER:]]  # diverges inside a stored block
+    fleet.prefixes.append(sibling)
     with fleet.client() as client:
         for tokens in fleet.prefixes:
             client.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
@@ -108,7 +110,9 @@ def test_after_a_sidecar_restart_the_view_equals_the_store(fleet: Fleet) -> None
     snapshot must take it out of the indexer's view (the old run's events said it was held)."""
     fleet.sidecar.kill()
     gone = fleet.prefixes[1]
-    with TieredStore(StoreConfig(data_dir=fleet.sidecar.data_dir, block_tokens=BLOCK, chunk_tokens=8)) as store:
+    with TieredStore(
+        StoreConfig(data_dir=fleet.sidecar.data_dir, block_tokens=BLOCK, chunk_tokens=8)
+    ) as store:
         store.index.forget(keys_of(gone)[2])
     fleet.sidecar.proc = None
     fleet.sidecar.start()  # same ports and data directory; memory starts empty
@@ -118,7 +122,9 @@ def test_after_a_sidecar_restart_the_view_equals_the_store(fleet: Fleet) -> None
 
 def test_a_corrupt_record_leaves_the_indexer(fleet: Fleet) -> None:
     victim = fleet.prefixes[0]
-    corrupt_chunk(StoreConfig(data_dir=fleet.sidecar.data_dir), keys_of(victim)[1], 0)  # on disk, under the sidecar
+    corrupt_chunk(
+        StoreConfig(data_dir=fleet.sidecar.data_dir), keys_of(victim)[1], 0
+    )  # on disk, under the sidecar
     with fleet.client() as client:
         client.load_arrays(victim, model=TINY)  # reads it from disk (memory is empty since the restart)
         assert client.lookup(victim, model=TINY).num_tokens == BLOCK

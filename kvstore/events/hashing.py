@@ -12,7 +12,10 @@ prefix up to its end (routers match prefixes by following `parent_block_hash`):
 - the others chain from the parent's name (or, at depth 0, from a hash of the namespace and
   model): `h[j] = xxh3_64(tokens[j*r:(j+1)*r] as int64 little-endian, seed=h[j-1])`.
 
-So two namespaces, or two models, never share a router hash even for equal tokens. The hashes
+So two namespaces, or two models, never share a router hash even for equal tokens, while two
+stored blocks that share a parent and their first tokens share those router blocks (as a
+router's own hashes would): the publisher counts holders and removes a router block only when
+its last holder leaves (kvstore/events/publisher.py). The hashes
 are kvsieve's own (a router matches on the token ids it is sent, not on these numbers); they
 are stable across restarts and processes, which is what a router needs to apply removals.
 """
@@ -41,16 +44,14 @@ def key_hash(key: bytes) -> int:
 
 def router_hashes(meta: BlockMeta, router_tokens: int) -> list[int]:
     """The hashes of the `len(meta.tokens) // router_tokens` router blocks of one stored block."""
-    tokens = np.ascontiguousarray(meta.tokens, dtype="<i8")
-    count = len(tokens) // router_tokens
+    data = memoryview(np.ascontiguousarray(meta.tokens, dtype="<i8").tobytes())
+    step = 8 * router_tokens  # bytes of one router block
     previous = parent_hash(meta)
     if previous is None:
         previous = xxhash.xxh3_64_intdigest(meta.namespace + meta.fingerprint)
     hashes = []
-    for j in range(count - 1):
-        previous = xxhash.xxh3_64_intdigest(
-            tokens[j * router_tokens : (j + 1) * router_tokens].tobytes(), seed=previous
-        )
+    for start in range(0, len(data) - step, step):  # all but the last, which is named by the key
+        previous = xxhash.xxh3_64_intdigest(data[start : start + step], previous)
         hashes.append(previous)
     hashes.append(key_hash(meta.key))
     return hashes

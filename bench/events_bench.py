@@ -1,0 +1,264 @@
+"""`kvsieve bench events`: KV events for routers, read by a real Dynamo indexer.
+
+In one run, on loopback (blocks of 256 tokens published as router blocks of 16):
+
+- `indexer_matched_fraction`: a `kvsieve serve --kv-events` and Dynamo's standalone indexer
+  (bench/setup_dynamo.sh) subscribed to it; 200 prefixes of two blocks (50 with --quick) stored
+  through KVClient; tokens the indexer's `/query` reports matched / tokens stored. Target 1.0.
+- `event_lag_p99_ms`: per store, from the acknowledged Store to the first `/query` that reports
+  the whole prefix (queried back to back; each query is one HTTP round trip). Target <= 50 ms.
+- `stale_after_removal`: a tenth of the prefixes lose their second block (a corrupt chunk met by
+  a load quarantines it); router blocks the indexer still reports beyond what the store
+  holds, summed over all prefixes, once it had 5 s to hear of it. Target 0.
+- `restart_view_equal`: after a sidecar restart (a block removed while it was down) and after
+  an indexer restart, the indexer's match equals the store's lookup for every prefix. Target true.
+- `events_lost`: an embedded store with a publisher, 10,000 stores (2,000 with --quick), a
+  subscriber in a thread that keeps up: sequence gaps it saw. Target 0.
+- `store_throughput_events_vs_off`: stores per second of an embedded memory-only store with
+  events on / off, in rounds alternated on-off-off-on after a warm-up round, medians compared.
+  The harshest case on purpose: no disk commit and a tiny KV (8 KB per 256-token block), so the
+  per-store cost of events weighs the most it can. Target >= 0.97.
+
+Without the Dynamo venv the indexer figures are absent and `dynamo_unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.dynamo_indexer import DynamoIndexer, dynamo_python
+from bench.sidecar import Sidecar, free_port
+from kvstore.client.kvclient import KVClient
+from kvstore.config import StoreConfig
+from kvstore.events.publisher import EventsConfig, open_publisher
+from kvstore.keys import block_keys, namespace_digest
+from kvstore.model import ModelSpec
+from kvstore.store.tiered import TieredStore
+
+MODEL = ModelSpec("bench-events", num_layers=2, num_kv_heads=2, head_dim=8)
+BLOCK = 256
+ROUTER = 16
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON object `kvsieve bench events --json` prints."""
+    out: dict[str, Any] = {"block_tokens": BLOCK, "router_block_tokens": ROUTER}
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+        out |= _lost_and_throughput(2_000 if quick else 10_000, 200 if quick else 500)
+        python = dynamo_python()
+        if python is None:
+            out["dynamo_unavailable"] = "no Dynamo venv: bash bench/setup_dynamo.sh"
+        else:
+            out |= _with_dynamo(Path(tmp), python, 50 if quick else 200)
+    return out
+
+
+# -- against a real sidecar and a real Dynamo indexer --------------------------------------
+
+
+def _with_dynamo(tmp: Path, python: Path, num_prefixes: int) -> dict[str, Any]:
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    args = ["--block-tokens", str(BLOCK), "--chunk-tokens", "16", "--kv-events", endpoint]
+    args += ["--kv-events-replay", replay, "--kv-events-heartbeat-s", "0.5"]
+    sidecar = Sidecar(tmp / "sidecar", args=args).start()
+    indexer = DynamoIndexer(python, tmp / "indexer.log").start()
+    try:
+        indexer.register(1, endpoint, replay, ROUTER)
+        rng = np.random.default_rng(0)
+        prefixes = [rng.integers(0, 50_000, 2 * BLOCK).tolist() for _ in range(num_prefixes)]
+        out = _stored_and_lag(sidecar, indexer, prefixes)
+        out["stale_after_removal"] = _stale_after_removal(sidecar, indexer, prefixes)
+        out["restart_view_equal"] = _restarts(sidecar, indexer, prefixes, endpoint, replay)
+        return out
+    finally:
+        indexer.stop()
+        sidecar.kill()
+
+
+def _stored_and_lag(sidecar: Sidecar, indexer: DynamoIndexer, prefixes: list[list[int]]) -> dict[str, Any]:
+    kv = np.random.default_rng(1).standard_normal(MODEL.kv_shape(2 * BLOCK)).astype(MODEL.np_dtype)
+    lags = []
+    with KVClient(sidecar.address) as client:
+        for tokens in prefixes:
+            client.store(tokens, kv, model=MODEL)
+            acknowledged = time.perf_counter()
+            indexer.wait_matched(tokens, len(tokens), timeout_s=5)
+            lags.append(time.perf_counter() - acknowledged)
+    matched = sum(indexer.matched(tokens) for tokens in prefixes)
+    return {
+        "indexer_matched_fraction": round(matched / sum(len(t) for t in prefixes), 4),
+        "event_lag_p50_ms": round(1000 * statistics.median(lags), 2),
+        "event_lag_p99_ms": round(1000 * float(np.percentile(lags, 99)), 2),
+        "prefixes": len(prefixes),
+    }
+
+
+def _stale_after_removal(sidecar: Sidecar, indexer: DynamoIndexer, prefixes: list[list[int]]) -> int:
+    victims = prefixes[:: max(1, len(prefixes) // 10)]
+    config = StoreConfig(data_dir=sidecar.data_dir)
+    with KVClient(sidecar.address) as client:
+        for tokens in victims:
+            _corrupt_first_chunk(config, _keys(tokens)[1])
+        sidecar.kill()  # memory held the chunks: restart so that loads read the damaged disk copy
+        sidecar.proc = None
+        sidecar.start()
+        for tokens in victims:
+            client.load_arrays(tokens, model=MODEL)
+        return _excess_router_blocks(client, indexer, prefixes)
+
+
+def _excess_router_blocks(client: KVClient, indexer: DynamoIndexer, prefixes: list[list[int]]) -> int:
+    """Router blocks the indexer reports beyond the store's own lookup, once it had time to hear."""
+    excess = 0
+    for tokens in prefixes:
+        held = client.lookup(tokens, model=MODEL).num_tokens
+        excess += max(0, indexer.wait_matched(tokens, held, timeout_s=5) - held) // ROUTER
+    return excess
+
+
+def _restarts(
+    sidecar: Sidecar, indexer: DynamoIndexer, prefixes: list[list[int]], endpoint: str, replay: str
+) -> bool:
+    sidecar.kill()
+    config = StoreConfig(data_dir=sidecar.data_dir, block_tokens=BLOCK, chunk_tokens=16)
+    with TieredStore(config) as store:  # a block leaves while the sidecar is down
+        store.index.forget(_keys(prefixes[-1])[1])
+    sidecar.proc = None
+    sidecar.start()
+    equal_after_sidecar = _view_equal(sidecar, indexer, prefixes)
+    indexer.stop()
+    indexer.start()
+    indexer.register(1, endpoint, replay, ROUTER)
+    return equal_after_sidecar and _view_equal(sidecar, indexer, prefixes)
+
+
+def _view_equal(sidecar: Sidecar, indexer: DynamoIndexer, prefixes: list[list[int]]) -> bool:
+    with KVClient(sidecar.address) as client:
+        return _excess_router_blocks(client, indexer, prefixes) == 0 and all(
+            indexer.wait_matched(t, held := client.lookup(t, model=MODEL).num_tokens, timeout_s=5) == held
+            for t in prefixes
+        )
+
+
+def _corrupt_first_chunk(config: StoreConfig, block_key: bytes) -> None:
+    """Flip a byte of a block's first chunk on disk, with LMDB itself (the sidecar keeps running)."""
+    import lmdb
+
+    from kvstore.format.block_meta import BlockMeta
+    from kvstore.keys import chunk_key
+
+    env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)
+    with env.begin(write=True) as txn:
+        meta = BlockMeta.from_bytes(txn.get(block_key, db=env.open_db(b"blocks", txn=txn)))
+        chunks = env.open_db(b"chunks", txn=txn)
+        key = chunk_key(block_key, meta.layout_version, 0)
+        data = bytearray(txn.get(key, db=chunks))
+        data[len(data) // 2] ^= 0x01
+        txn.put(key, bytes(data), db=chunks)
+    env.close()
+
+
+def _keys(tokens: list[int]) -> list[bytes]:
+    return block_keys(np.asarray(tokens), BLOCK, MODEL.fingerprint, namespace_digest("default"))
+
+
+# -- embedded: sequence gaps and the cost of events on stores -----------------------------
+
+
+def _memory_store() -> TieredStore:
+    """A memory-only store large enough never to evict here (eviction would dominate the time)."""
+    return TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=16, memory_bytes=1 << 30))
+
+
+def _lost_and_throughput(num_stores: int, per_round: int) -> dict[str, Any]:
+    return {
+        "events_lost": _events_lost(num_stores),
+        "stores_for_events_lost": num_stores,
+        **_throughput(per_round),
+    }
+
+
+class _GapCounter(threading.Thread):
+    """A subscriber that keeps up: counts sequence gaps until told the last sequence number."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        import zmq
+
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)  # this reader's own queue never drops: it measures ours
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.until: int | None = None
+
+    def run(self) -> None:
+        while self.until is None or self.last_seq is None or self.last_seq < self.until:
+            if not self.sub.poll(100):
+                continue
+            seq = int.from_bytes(self.sub.recv_multipart()[1], "big")
+            if self.last_seq is not None and seq != self.last_seq + 1:
+                self.gaps += seq - self.last_seq - 1
+            self.last_seq = seq
+        self.sub.close(0)
+        self.context.term()
+
+
+def _events_lost(num_stores: int) -> int:
+    kv = np.zeros(MODEL.kv_shape(BLOCK), MODEL.np_dtype)
+    rng = np.random.default_rng(2)
+    with _memory_store() as store:
+        events = EventsConfig(f"tcp://127.0.0.1:{free_port()}", heartbeat_s=0.05, medium="STORAGE")
+        publisher = open_publisher(events, BLOCK, store)
+        counter = _GapCounter(events.endpoint)
+        counter.start()
+        deadline = time.monotonic() + 30
+        while counter.last_seq is None and time.monotonic() < deadline:  # heartbeats: it is connected
+            time.sleep(0.01)
+        for _ in range(num_stores):
+            store.store(rng.integers(0, 50_000, BLOCK), kv, model=MODEL)
+        while publisher.stats().queued:
+            time.sleep(0.01)
+        counter.until = publisher.stats().last_seq + 1
+        counter.join(30)
+        store.watch(None)
+        publisher.close()
+    if counter.is_alive():
+        raise RuntimeError("the subscriber never saw the last batch")
+    return counter.gaps
+
+
+def _throughput(per_round: int, rounds: int = 4) -> dict[str, Any]:
+    kv = np.zeros(MODEL.kv_shape(BLOCK), MODEL.np_dtype)
+    rng = np.random.default_rng(3)
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    order = [False] + [on for _ in range(rounds) for on in (True, False, False, True)]
+    with _memory_store() as store:
+        for round_index, events_on in enumerate(order):
+            publisher = None
+            if events_on:
+                publisher = open_publisher(EventsConfig(f"tcp://127.0.0.1:{free_port()}"), BLOCK, store)
+            token_lists = [rng.integers(0, 50_000, BLOCK) for _ in range(per_round)]
+            start = time.perf_counter()
+            for tokens in token_lists:
+                store.store(tokens, kv, model=MODEL)
+            if round_index:  # the first round warms up (allocations, caches) and is not counted
+                rates[events_on].append(per_round / (time.perf_counter() - start))
+            if publisher is not None:
+                store.watch(None)
+                publisher.close()
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    return {
+        "stores_per_s_events_on": round(on, 1),
+        "stores_per_s_events_off": round(off, 1),
+        "store_throughput_events_vs_off": round(on / off, 3),
+    }

@@ -481,13 +481,15 @@ def _mla(sidecar: Sidecar) -> dict[str, Any]:
 # --- measurements (bench/sglang_bench.py) -------------------------------------------------------
 
 
-def _p50(run: Callable[[], Any], reps: int) -> float:
-    times = []
+def _paired_p50(ours: Callable[[], Any], theirs: Callable[[], Any], reps: int) -> tuple[float, float]:
+    """p50 seconds of each, the two run alternately so that both see the same machine load."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for run, out in ((ours, times[0]), (theirs, times[1])):
+            started = time.perf_counter()
+            run()
+            out.append(time.perf_counter() - started)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def measure(python: str, work: Path, *, quick: bool) -> dict[str, Any]:
@@ -515,10 +517,11 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
 
     # writes: fresh keys and fresh tokens every repetition, so every byte is really stored
     run = iter(range(1 << 30))
-    ours_set = _p50(
-        lambda: backend.batch_set_v1(_keys(f"set{next(run)}", pages), slots(source, 0, pages)), reps
+    ours_set, theirs_set = _paired_p50(
+        lambda: backend.batch_set_v1(_keys(f"set{next(run)}", pages), slots(source, 0, pages)),
+        lambda: client.store(rng.integers(0, 50000, tokens_per_run), kv, model=spec),
+        reps,
     )
-    theirs_set = _p50(lambda: client.store(rng.integers(0, 50000, tokens_per_run), kv, model=spec), reps)
     out["batch_set_v1_vs_shm_store"] = round(theirs_set / ours_set, 3)
 
     keys = _keys("read", pages)
@@ -532,8 +535,9 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
             _, loaded = stream.gather(spec)
             dest[...] = loaded
 
-    ours_get = _p50(lambda: reader.batch_get_v1(keys, slots(target, 0, pages)), reps)
-    theirs_get = _p50(shm_load, reps)
+    ours_get, theirs_get = _paired_p50(
+        lambda: reader.batch_get_v1(keys, slots(target, 0, pages)), shm_load, reps
+    )
     out["batch_get_v1_vs_shm_load"] = round(theirs_get / ours_get, 3)
     target.kv_buffer.zero_()
     flags = reader.batch_get_v1(keys, slots(target, 0, pages))
@@ -548,8 +552,9 @@ def _measure(sidecar: Sidecar, pages: int, reps: int) -> dict[str, Any]:
         backend.batch_set_v1(many[start : start + pages], slots(source, 0, min(pages, 128 - start)))
     assert backend.batch_exists(many) == 128
     one_block = prefix[:_BLOCK_TOKENS]
-    ours_exists = _p50(lambda: backend.batch_exists(many), 3 * reps)
-    lookup = _p50(lambda: client.lookup(one_block, model=spec), 3 * reps)
+    ours_exists, lookup = _paired_p50(
+        lambda: backend.batch_exists(many), lambda: client.lookup(one_block, model=spec), 3 * reps
+    )
     out["batch_exists_128_vs_lookup"] = round(ours_exists / lookup, 2)
     out |= {
         "batch_set_v1_mb_s": round(pages * out["page_bytes"] / ours_set / 1e6),

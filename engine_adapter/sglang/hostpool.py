@@ -4,10 +4,14 @@ SGLang keeps host KV in one tensor per pool (`kv_buffer`), laid out "layer_first
 (token index after the layer), "page_first" (token index before the layer) or
 "page_first_direct" (one slot per page). Its own flat page (`get_data_page`)
 follows the layout, so bytes written by a page-first process would be misread by
-a layer-first one. Pages are therefore stored in one canonical order:
+a layer-first one. Pages are therefore stored in one canonical order, that of
+SGLang's default layout (page_first), so that its pages move as plain copies:
 
-- MHA: (2 for K/V, layers, page tokens, heads, head_dim);
-- MLA: (layers, page tokens, 1, latent dim).
+- MHA: (2 for K/V, page tokens, layers, heads, head_dim);
+- MLA: (page tokens, layers, 1, latent dim).
+
+(With the layer-major order first chosen, filling a page-first pool was a strided
+copy and `batch_get_v1` reached 0.7 of kvsieve's own shared-memory load.)
 
 `PoolPages.read` copies a page from the pool into a canonical byte buffer and
 `write` copies one back: one copy each way, the only copies the v1 methods make
@@ -62,7 +66,7 @@ class PoolPages:
 
     @property
     def geometry(self) -> str:
-        """The canonical shape as text, e.g. "2x30x64x3x64" (part of the page identity)."""
+        """The canonical shape as text, e.g. "2x64x30x3x64" (part of the page identity)."""
         return "x".join(str(d) for d in self.canonical_shape)
 
     def read(self, index: int, out: Array) -> None:
@@ -92,15 +96,9 @@ class PoolPages:
                 f"got {flat.numel()} elements of {flat.dtype}"
             )
         ints = flat.view(self._ints.dtype)
-        if self.layout != "page_first":  # layer_first and page_first_direct pages are canonical already
+        if self.layout == "page_first":  # its pages are in the canonical order already
             return ints.view(self.canonical_shape)
-        # page_first: the page's token axis comes before its layer axis
-        axis = 0 if self.is_mla else 1
-        swapped = list(self.canonical_shape)
-        swapped[axis], swapped[axis + 1] = swapped[axis + 1], swapped[axis]
-        order = [0, 1, 2, 3] if self.is_mla else [0, 1, 2, 3, 4]
-        order[axis], order[axis + 1] = order[axis + 1], order[axis]
-        return ints.view(swapped).permute(*order)
+        return ints.view(self._layer_major_shape).permute(*self._swap)  # layer_first, page_first_direct
 
     def canonical_bytes(self, canonical: torch.Tensor, out: Array) -> None:
         """Copy a canonical page (from `canonical_of_flat`) into `out` (uint8, page_bytes)."""
@@ -123,14 +121,20 @@ class PoolPages:
     def _canonical_view(self, index: int) -> torch.Tensor:
         """A view of the pool's page at token slot `index`, permuted to the canonical order."""
         ps, buf = self.page_size, self._ints
-        if self.layout == "page_first_direct":
+        if self.layout == "page_first":  # (2, ps, L, H, D) or (ps, L, 1, D): canonical
+            return buf[index : index + ps] if self.is_mla else buf[:, index : index + ps]
+        if self.layout == "page_first_direct":  # one slot per page, layer-major inside
             slot = index // ps
-            page = buf[:, slot] if not self.is_mla else buf[slot]
-            return page  # (2, L, ps, H, D) or (L, ps, H, D): already canonical
-        if self.is_mla:
-            if self.layout == "layer_first":
-                return buf[:, index : index + ps]
-            return buf[index : index + ps].permute(1, 0, 2, 3)
-        if self.layout == "layer_first":
-            return buf[:, :, index : index + ps]
-        return buf[:, index : index + ps].permute(0, 2, 1, 3, 4)
+            layer_major = buf[slot] if self.is_mla else buf[:, slot]
+        else:  # layer_first
+            layer_major = buf[:, index : index + ps] if self.is_mla else buf[:, :, index : index + ps]
+        return layer_major.permute(*self._swap)
+
+    @property
+    def _swap(self) -> tuple[int, ...]:
+        """The permutation that exchanges the page-token and layer axes (its own inverse)."""
+        return (1, 0, 2, 3) if self.is_mla else (0, 2, 1, 3, 4)
+
+    @property
+    def _layer_major_shape(self) -> tuple[int, ...]:
+        return tuple(self.canonical_shape[i] for i in self._swap)

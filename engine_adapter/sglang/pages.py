@@ -60,7 +60,7 @@ class PageIdentity:
         page_size: tokens per SGLang page.
         tp_rank, tp_size, pp_rank, pp_size: the process's shard of the model.
         is_mla: MLA latent KV (one buffer) instead of separate K and V.
-        geometry: the page's canonical shape, e.g. "2x30x64x3x64" (see hostpool.py), or
+        geometry: the page's canonical shape, e.g. "2x64x30x3x64" (see hostpool.py), or
             "raw" for tensors handed to `set`/`get` without a host pool.
     """
 

@@ -128,11 +128,16 @@ class KVClient:
         responses, finished = None, False
         try:
             responses = self._stub.LoadMany(request, timeout=self._timeout, metadata=self._metadata)
-            dense = None if arena is None else shm.dense_view(arena.buf, model)
+            flat = None if arena is None else np.frombuffer(arena.buf, np.uint8)
+            size = n * model.token_bytes
             for reply in responses:
-                if reply.shm and dense is not None:
-                    start = reply.index * n
-                    yield reply.index, reply.num_tokens, dense[:, :, :, start : start + reply.num_tokens]
+                if reply.shm and flat is not None:  # the list's own dense array
+                    own = flat[reply.index * size : (reply.index + 1) * size].view(model.np_dtype)
+                    yield (
+                        reply.index,
+                        reply.num_tokens,
+                        own.reshape(model.kv_shape(n))[:, :, :, : reply.num_tokens],
+                    )
                 else:
                     yield (
                         reply.index,
@@ -143,7 +148,7 @@ class KVClient:
         except grpc.RpcError as exc:
             raise domain_error(exc) from None
         finally:
-            dense = None  # no view may outlive the loan of the arena
+            flat = None  # no view may outlive the loan of the arena
             if responses is not None and not finished:
                 responses.cancel()
             if arena is not None:

@@ -47,16 +47,29 @@ def leading_cached(store: SidecarStore, lists: Array, model: ModelSpec, namespac
     return len(lists)
 
 
+# Lists loaded per worker-thread hop: a hop costs about as much as loading a small list.
+LISTS_PER_HOP = 8
+
+
+def load_lists(
+    store: SidecarStore, lists: Array, start: int, model: ModelSpec, namespace: str, arena: Array | None
+) -> list[tuple[pb.LoadManyResponse, int]]:
+    """`load_list` of lists [start, start + LISTS_PER_HOP), in one worker-thread hop."""
+    stop = min(start + LISTS_PER_HOP, len(lists))
+    return [load_list(store, lists[i], i, model, namespace, arena) for i in range(start, stop)]
+
+
 def load_list(
-    store: SidecarStore, listed: Array, index: int, model: ModelSpec, namespace: str, dense: Array | None
+    store: SidecarStore, listed: Array, index: int, model: ModelSpec, namespace: str, arena: Array | None
 ) -> tuple[pb.LoadManyResponse, int]:
-    """Load list `index` whole into the arena's slots for it (`dense`, or inline when None or
-    too small): (its reply, encoded bytes read). A block lost on the way shortens `num_tokens`."""
+    """Load list `index` whole into its own array in the arena (`arena`: its bytes, uint8), or
+    inline when there is none or it is too small: (its reply, encoded bytes read). A block
+    lost on the way shortens `num_tokens`."""
     n = len(listed)
-    base = index * n
-    in_arena = dense is not None and base + n <= dense.shape[3]
-    if in_arena and dense is not None:
-        target = dense[:, :, :, base : base + n]
+    size = n * model.token_bytes
+    in_arena = arena is not None and (index + 1) * size <= len(arena)
+    if in_arena and arena is not None:
+        target = arena[index * size : (index + 1) * size].view(model.np_dtype).reshape(model.kv_shape(n))
     else:
         target = np.empty(model.kv_shape(n), model.np_dtype)
     with store.load(listed, model=model, namespace=namespace) as stream:

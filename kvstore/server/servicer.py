@@ -30,7 +30,7 @@ from kvstore.errors import ArenaLimitError, InvalidInputError, LimitExceededErro
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
 from kvstore.rpc.messages import budget_from_fields, ctx_from_pb, stats_to_pb
-from kvstore.rpc.shm import ServerArena, dense_view
+from kvstore.rpc.shm import ServerArena
 from kvstore.server import many
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
@@ -121,17 +121,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             slot.claim(tenant_of(token, namespace))
             lists = await asyncio.to_thread(many.token_lists, request, self._config.max_lookup_tokens)
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
-            dense = None if arena is None else dense_view(arena.buf, model)
+            flat = None if arena is None else np.frombuffer(arena.buf, np.uint8)
             bytes_read = 0
             try:
-                for index, listed in enumerate(lists):
-                    reply, read = await asyncio.to_thread(
-                        many.load_list, self._store, listed, index, model, namespace, dense
+                for start in range(0, len(lists), many.LISTS_PER_HOP):
+                    loaded = await asyncio.to_thread(
+                        many.load_lists, self._store, lists, start, model, namespace, flat
                     )
-                    bytes_read += read
-                    await self._send_load(context, reply)
+                    for reply, read in loaded:
+                        bytes_read += read
+                        await self._send_load(context, reply)
             finally:
-                dense = None  # no view of the arena may outlive the call
+                flat = None  # no view of the arena may outlive the call
                 if arena is not None:
                     self.arenas.done(request.arena_id)
             self._tenants.add(namespace, {"loads": len(lists), "bytes_read": bytes_read})

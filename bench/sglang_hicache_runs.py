@@ -29,6 +29,8 @@ from sglang.srt.mem_cache.device_pool_info import (  # type: ignore[import-not-f
 from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
     HiCacheStorage,
     HiCacheStorageConfig,
+    PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # type: ignore[import-not-found]
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # type: ignore[import-not-found]
@@ -257,6 +259,7 @@ def scenarios(python: str, work: Path, redis_url: str | None = None) -> dict[str
             "one": writer.exists(keys[3]),
             "absent": writer.exists("absent"),
         }
+        out["v2"] = _pool_group_methods(sidecar, source, keys)
         out["wrong_namespace"] = _foreign_readers(sidecar, keys)
         out["forged"] = _forged(sidecar, writer, keys)
         out["stopped"] = _stopped(sidecar, keys)
@@ -309,6 +312,26 @@ def _generic(sidecar: Sidecar, source: Any, writer: Any) -> dict[str, Any]:
             "set_one": writer.set(f"one-{os.getpid()}", source.get_data_page(150 * SMALL.page_size)),
         }
     }
+
+
+def _pool_group_methods(sidecar: Sidecar, source: Any, keys: list[str]) -> dict[str, Any]:
+    """SGLang's v2 methods (hybrid controllers): KV pages as v1, other pools always misses."""
+    target = mha_pool(SMALL, "page_first", 8)
+    reader = attach(storage_config(sidecar.address), target)
+    kv = PoolTransfer(name=PoolName.KV, host_indices=slots(target, 0, 8), keys=keys[:8])
+    mamba = PoolTransfer(name=PoolName.MAMBA, host_indices=slots(target, 0, 8), keys=keys[:8])
+    exists = reader.batch_exists_v2(keys)
+    with_mamba = reader.batch_exists_v2(keys, [mamba])
+    got = reader.batch_get_v2([kv, mamba])
+    out = {
+        "exists_kv": exists.kv_hit_pages,
+        "exists_with_mamba": with_mamba.kv_hit_pages,
+        "get_kv": got[PoolName.KV],
+        "get_mamba": got[PoolName.MAMBA],
+        "equal": pages_equal(source, range(8), target, range(8)),
+    }
+    reader.close()
+    return out
 
 
 def _foreign_readers(sidecar: Sidecar, keys: list[str]) -> dict[str, Any]:

@@ -78,6 +78,14 @@ def test_generic_tensor_methods_round_trip_and_share_pages_with_v1(seen: dict[st
 
 
 @pytest.mark.sglang
+def test_pool_group_methods_serve_kv_and_miss_other_pools(seen: dict[str, Any]) -> None:
+    v2 = seen["v2"]
+    assert (v2["exists_kv"], v2["exists_with_mamba"]) == (128, 0)
+    assert v2["get_kv"] == [True] * 8 and v2["equal"] == [True] * 8
+    assert v2["get_mamba"] == [False] * 8
+
+
+@pytest.mark.sglang
 def test_batch_exists_counts_leading_pages(seen: dict[str, Any]) -> None:
     assert seen["exists"] == {
         "all_128": 128,

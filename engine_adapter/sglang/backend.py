@@ -35,6 +35,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from engine_adapter.sglang.hostpool import PoolPages
@@ -101,6 +104,7 @@ class KvsieveStorage(HiCacheStorage):  # SGLang is untyped here: HiCacheStorage 
         self._metrics_lock = threading.Lock()
         self._prefetch_pages: list[int] = []
         self._backup_pages: list[int] = []
+        self._warned_pools = False
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -224,6 +228,51 @@ class KvsieveStorage(HiCacheStorage):  # SGLang is untyped here: HiCacheStorage 
         results = list(self._executor.map(store, keys, starts[2]))
         self._note(self._backup_pages, sum(results))
         return results
+
+    # --- the pool-group methods (v2): KV pages only -----------------------------------------
+
+    @_never_raises(lambda *a: PoolTransferResult.empty())
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """`batch_exists` for the KV pool; pools besides KV (Mamba, SWA, indexers) are not
+        stored here, so a request that needs them finds nothing (a miss, never an error)."""
+        if pool_transfers:
+            self._warn_other_pools([t.name for t in pool_transfers])
+            return PoolTransferResult.empty()
+        hits = self.batch_exists(keys, extra_info)
+        return PoolTransferResult(hits, {PoolName.KV: hits} if hits else {}, list(range(1, hits + 1)))
+
+    @_never_raises(lambda transfers, *a: {t.name: [False] * len(t.keys or []) for t in transfers})
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """`batch_get_v1` for the KV pool's transfer; other pools' pages are misses."""
+        return {t.name: self._v2_transfer(t, self.batch_get_v1) for t in transfers}
+
+    @_never_raises(lambda transfers, *a: {t.name: [False] * len(t.keys or []) for t in transfers})
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """`batch_set_v1` for the KV pool's transfer; other pools' pages are not stored."""
+        return {t.name: self._v2_transfer(t, self.batch_set_v1) for t in transfers}
+
+    def _v2_transfer(self, transfer: PoolTransfer, v1: Callable[..., list[bool]]) -> list[bool]:
+        keys = transfer.keys or []
+        if transfer.name != PoolName.KV or transfer.host_indices is None:
+            self._warn_other_pools([transfer.name])
+            return [False] * len(keys)
+        return v1(keys, transfer.host_indices)
+
+    def _warn_other_pools(self, names: list[Any]) -> None:
+        if not self._warned_pools:
+            self._warned_pools = True
+            logger.warning(
+                "kvsieve stores KV pages only: pools %s are always misses", [str(n) for n in names]
+            )
 
     # --- housekeeping ----------------------------------------------------------------------
 

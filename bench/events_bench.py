@@ -15,9 +15,12 @@ In one run, on loopback (blocks of 256 tokens published as router blocks of 16):
 - `events_lost`: an embedded store with a publisher, 10,000 stores (2,000 with --quick), a
   subscriber in a thread that keeps up: sequence gaps it saw. Target 0.
 - `store_throughput_events_vs_off`: stores per second of an embedded memory-only store with
-  events on / off, in rounds alternated on-off-off-on after a warm-up round, medians compared.
+  events on / off (two equal stores, one publishing), rounds alternated on-off-off-on after two
+  warm-up rounds, medians compared.
   The harshest case on purpose: no disk commit and a tiny KV (8 KB per 256-token block), so the
   per-store cost of events weighs the most it can. Target >= 0.97.
+  `store_throughput_events_vs_off_disk`: the same with both stores on LMDB (a disk commit per
+  store, as a sidecar with --data-dir does).
 
 Without the Dynamo venv the indexer figures are absent and `dynamo_unavailable` says why.
 """
@@ -51,7 +54,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench events --json` prints."""
     out: dict[str, Any] = {"block_tokens": BLOCK, "router_block_tokens": ROUTER}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
-        out |= _lost_and_throughput(2_000 if quick else 10_000, 200 if quick else 500)
+        out |= _lost_and_throughput(Path(tmp), 2_000 if quick else 10_000, 200 if quick else 500)
         python = dynamo_python()
         if python is None:
             out["dynamo_unavailable"] = "no Dynamo venv: bash bench/setup_dynamo.sh"
@@ -156,10 +159,15 @@ def _corrupt_first_chunk(config: StoreConfig, block_key: bytes) -> None:
 
     env = lmdb.open(str(config.lmdb_dir), max_dbs=4, map_size=1 << 34)
     with env.begin(write=True) as txn:
-        meta = BlockMeta.from_bytes(txn.get(block_key, db=env.open_db(b"blocks", txn=txn)))
+        record = txn.get(block_key, db=env.open_db(b"blocks", txn=txn))
+        if record is None:
+            raise RuntimeError(f"block {block_key.hex()} is not on disk")
         chunks = env.open_db(b"chunks", txn=txn)
-        key = chunk_key(block_key, meta.layout_version, 0)
-        data = bytearray(txn.get(key, db=chunks))
+        key = chunk_key(block_key, BlockMeta.from_bytes(record).layout_version, 0)
+        chunk = txn.get(key, db=chunks)
+        if chunk is None:
+            raise RuntimeError(f"chunk 0 of block {block_key.hex()} is not on disk")
+        data = bytearray(chunk)
         data[len(data) // 2] ^= 0x01
         txn.put(key, bytes(data), db=chunks)
     env.close()
@@ -172,16 +180,20 @@ def _keys(tokens: list[int]) -> list[bytes]:
 # -- embedded: sequence gaps and the cost of events on stores -----------------------------
 
 
-def _memory_store() -> TieredStore:
-    """A memory-only store large enough never to evict here (eviction would dominate the time)."""
-    return TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=16, memory_bytes=1 << 30))
+def _memory_store(data_dir: Path | None = None) -> TieredStore:
+    """A store (memory-only unless `data_dir`) large enough never to evict here (eviction would
+    dominate the time)."""
+    config = StoreConfig(data_dir=data_dir, block_tokens=BLOCK, chunk_tokens=16, memory_bytes=1 << 30)
+    return TieredStore(config)
 
 
-def _lost_and_throughput(num_stores: int, per_round: int) -> dict[str, Any]:
+def _lost_and_throughput(tmp: Path, num_stores: int, per_round: int) -> dict[str, Any]:
+    disk = _throughput(per_round // 2, tmp)
     return {
         "events_lost": _events_lost(num_stores),
         "stores_for_events_lost": num_stores,
         **_throughput(per_round),
+        "store_throughput_events_vs_off_disk": disk["store_throughput_events_vs_off"],
     }
 
 
@@ -237,25 +249,26 @@ def _events_lost(num_stores: int) -> int:
     return counter.gaps
 
 
-def _throughput(per_round: int, rounds: int = 4) -> dict[str, Any]:
+def _throughput(per_round: int, tmp: Path | None = None, rounds: int = 4) -> dict[str, Any]:
+    """Two equal stores side by side (memory-only, or on LMDB under `tmp`), one publishing
+    (opened once, as a sidecar does), rounds of stores alternated between them."""
     kv = np.zeros(MODEL.kv_shape(BLOCK), MODEL.np_dtype)
     rng = np.random.default_rng(3)
     rates: dict[bool, list[float]] = {False: [], True: []}
-    order = [False] + [on for _ in range(rounds) for on in (True, False, False, True)]
-    with _memory_store() as store:
+    order = [False, True] + [on for _ in range(rounds) for on in (True, False, False, True)]
+    dirs = (None, None) if tmp is None else (tmp / "off", tmp / "on")
+    with _memory_store(dirs[0]) as off_store, _memory_store(dirs[1]) as on_store:
+        publisher = open_publisher(EventsConfig(f"tcp://127.0.0.1:{free_port()}"), BLOCK, on_store)
         for round_index, events_on in enumerate(order):
-            publisher = None
-            if events_on:
-                publisher = open_publisher(EventsConfig(f"tcp://127.0.0.1:{free_port()}"), BLOCK, store)
+            store = on_store if events_on else off_store
             token_lists = [rng.integers(0, 50_000, BLOCK) for _ in range(per_round)]
             start = time.perf_counter()
             for tokens in token_lists:
                 store.store(tokens, kv, model=MODEL)
-            if round_index:  # the first round warms up (allocations, caches) and is not counted
+            if round_index >= 2:  # the first two rounds warm up (allocations, caches): not counted
                 rates[events_on].append(per_round / (time.perf_counter() - start))
-            if publisher is not None:
-                store.watch(None)
-                publisher.close()
+        on_store.watch(None)
+        publisher.close()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     return {
         "stores_per_s_events_on": round(on, 1),

@@ -62,6 +62,7 @@ PUBLISHED = {
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches",
+    "events": "events_lost store_throughput_events_vs_off store_throughput_events_vs_off_disk",
 }
 # A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
 # otherwise the first key, a string, says why, and none of the peer's keys is printed.
@@ -80,6 +81,11 @@ PEER_KEYS = {
         "sglang_unavailable",
         "roundtrip_exact wrong_pages batch_get_v1_vs_shm_load batch_set_v1_vs_shm_store "
         "batch_exists_128_vs_lookup",
+    ),
+    # Dynamo's standalone indexer reads the sidecar's KV events (bench/setup_dynamo.sh).
+    "events": (
+        "dynamo_unavailable",
+        "indexer_matched_fraction stale_after_removal restart_view_equal event_lag_p99_ms",
     ),
 }
 # "vllm" is not run here: even --quick starts vLLM four times (minutes), past CI's budget for
@@ -100,6 +106,7 @@ PEER_KEYS = {
         "sglang",
         "layout",
         "gpu",
+        "events",
         pytest.param("remote", marks=pytest.mark.model),
     ],
 )

@@ -8,6 +8,7 @@ judge them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -262,7 +263,7 @@ def scenarios(python: str, work: Path, redis_url: str | None = None) -> dict[str
         out["v2"] = _pool_group_methods(sidecar, source, keys)
         out["wrong_namespace"] = _foreign_readers(sidecar, keys)
         out["forged"] = _forged(sidecar, writer, keys)
-        out["stopped"] = _stopped(sidecar, keys)
+        out["stopped"] = _stopped(sidecar, source, keys)
         out["paused"] = _paused(sidecar, keys)
         out["corrupt"] = _corrupt_on_disk(sidecar, source, keys)
         out["mla"] = _mla(sidecar)
@@ -377,7 +378,7 @@ def _forged(sidecar: Sidecar, writer: Any, keys: list[str]) -> dict[str, Any]:
     return out
 
 
-def _stopped(sidecar: Sidecar, keys: list[str]) -> dict[str, Any]:
+def _stopped(sidecar: Sidecar, source: Any, keys: list[str]) -> dict[str, Any]:
     """The sidecar stops: every method is a miss, nothing raises, no v1 call returns None;
     it comes back (same data directory): pages are found again, restart included."""
     target = mha_pool(SMALL, "layer_first", 8)
@@ -394,12 +395,34 @@ def _stopped(sidecar: Sidecar, keys: list[str]) -> dict[str, Any]:
     }
     out["miss_s"] = round(time.monotonic() - started, 3)
     out["pool_untouched"] = bool(torch.all(target.kv_buffer == 0))
+    out["offline"] = {job: _offline(sidecar, job) for job in ("fsck", "relayout")}  # while it is down
     sidecar.start()
     time.sleep(0.3)  # past kvsieve_retry_s
     out["after_restart_exists"] = backend.batch_exists(keys)
     out["after_restart_get_v1"] = sum(backend.batch_get_v1(keys[:8], slots(target, 0, 8)))
+    out["after_restart_equal"] = pages_equal(source, range(8), target, range(8))
     backend.close()
     return out
+
+
+def _offline(sidecar: Sidecar, job: str) -> dict[str, Any]:
+    """`kvsieve fsck` or `kvsieve relayout --min-change 0` on the stopped sidecar's directory."""
+    extra = ["--min-change", "0"] if job == "relayout" else []
+    cmd = [
+        sidecar.python,
+        "-m",
+        "kvstore.cli.main",
+        job,
+        "--data-dir",
+        str(sidecar.data_dir),
+        "--json",
+        *extra,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") and k != "PYTHONPATH"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    lines = result.stdout.strip().splitlines()
+    report: dict[str, Any] = json.loads(lines[-1]) if result.returncode == 0 and lines else {}
+    return {"returncode": result.returncode, "report": report}
 
 
 def _paused(sidecar: Sidecar, keys: list[str]) -> dict[str, Any]:

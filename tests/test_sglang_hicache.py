@@ -131,6 +131,17 @@ def test_a_stopped_sidecar_is_misses_and_a_restarted_one_has_the_pages(seen: dic
     assert stopped["pool_untouched"] is True
     assert stopped["after_restart_exists"] == 128  # durable, and the backend reconnected
     assert stopped["after_restart_get_v1"] == 8
+    assert stopped["after_restart_equal"] == [True] * 8
+
+
+@pytest.mark.sglang
+def test_fsck_and_relayout_leave_the_pages_intact(seen: dict[str, Any]) -> None:
+    """Run on the stopped sidecar's directory; the pages load byte-exact afterwards (above)."""
+    fsck, relayout = seen["stopped"]["offline"]["fsck"], seen["stopped"]["offline"]["relayout"]
+    assert fsck["returncode"] == 0 and fsck["report"]["clean"] is True
+    assert fsck["report"]["blocks_checked"] >= 128 and fsck["report"]["problems"] == []
+    assert relayout["returncode"] == 0 and relayout["report"]["blocks_examined"] >= 128
+    assert relayout["report"]["blocks_rewritten"] == 0  # no scores: pages stay in natural order
 
 
 @pytest.mark.sglang

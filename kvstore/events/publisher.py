@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SCHEMES = ("tcp://", "ipc://", "inproc://")
-PUB_HIGH_WATER_MARK = 10_000  # messages ZMQ keeps per subscriber before dropping for it
 LINGER_S = 0.005  # how long the first news of a batch waits for more (adds to the event lag)
 
 
@@ -65,6 +64,8 @@ class EventsConfig:
         replay_batches: published batches kept for replay.
         heartbeat_s: an empty batch after this many seconds without news.
         medium: the tier label of the store's blocks (kvstore/events/publisher.py `medium_of`).
+        high_water_mark: messages ZMQ keeps for one subscriber before it drops that
+            subscriber's messages (it never blocks the publisher).
     """
 
     endpoint: str
@@ -76,6 +77,7 @@ class EventsConfig:
     replay_batches: int = 10_000
     heartbeat_s: float = 1.0
     medium: str = "CPU"
+    high_water_mark: int = 10_000
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -86,10 +88,11 @@ class EventsConfig:
                 )
         if self.replay_endpoint and self.replay_endpoint == self.endpoint:
             raise InvalidInputError("kv_events replay endpoint must differ from the publishing endpoint")
-        if self.router_block_tokens < 1 or self.queue_size < 1 or self.replay_batches < 1:
+        if min(self.router_block_tokens, self.queue_size, self.replay_batches, self.high_water_mark) < 1:
             raise InvalidInputError(
-                "kv_events_block_tokens, kv_events_queue and kv_events_replay_batches must be >= 1, "
-                f"got {self.router_block_tokens}, {self.queue_size}, {self.replay_batches}"
+                "kv_events_block_tokens, kv_events_queue, kv_events_replay_batches and the high-water "
+                f"mark must be >= 1, got {self.router_block_tokens}, {self.queue_size}, "
+                f"{self.replay_batches}, {self.high_water_mark}"
             )
         if not 0 < self.heartbeat_s <= 3600:
             raise InvalidInputError(f"kv_events_heartbeat_s must be in (0, 3600], got {self.heartbeat_s}")
@@ -169,7 +172,7 @@ class Sockets:
         try:
             pub = context.socket(zmq.PUB)
             sockets.append(pub)
-            pub.setsockopt(zmq.SNDHWM, PUB_HIGH_WATER_MARK)
+            pub.setsockopt(zmq.SNDHWM, config.high_water_mark)
             pub.setsockopt(zmq.LINGER, 0)
             _attach(pub, config.endpoint, connect=config.connect, what="kv_events endpoint")
             replay = None

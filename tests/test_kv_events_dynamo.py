@@ -37,6 +37,7 @@ from kvstore.store.tiered import TieredStore  # noqa: E402
 pytestmark = pytest.mark.dynamo
 BLOCK = 32  # bench.sidecar.Sidecar's blocks; the router's are 16 tokens
 ROUTER = 16
+DISK_BYTES = 40 * BLOCK * TINY.token_bytes  # about 40 blocks of TINY (with their metadata, fewer)
 
 
 @dataclass
@@ -70,6 +71,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     assert PYTHON is not None
     endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     args = ["--kv-events", endpoint, "--kv-events-replay", replay, "--kv-events-heartbeat-s", "0.2"]
+    args += ["--disk-bytes", str(DISK_BYTES)]  # room for the first tests' blocks; the last evicts
     sidecar = Sidecar(tmp_path_factory.mktemp("sidecar"), args=args).start()
     indexer = DynamoIndexer(PYTHON, tmp_path_factory.mktemp("dynamo") / "indexer.log").start()
     fleet = Fleet(sidecar, indexer, endpoint, replay, [])
@@ -138,3 +140,16 @@ def test_after_an_indexer_restart_the_view_equals_the_store(fleet: Fleet) -> Non
     fleet.register()  # its first batch is far past 0: it asks the replay socket, which sends a snapshot
     fleet.assert_view_equals_store()
     assert fleet.indexer.matched(fleet.prefixes[0]) == BLOCK
+
+
+def test_evicted_blocks_leave_the_indexer(fleet: Fleet) -> None:
+    """Prefixes past the disk budget evict the least recently used blocks: the indexer follows."""
+    before = len(fleet.prefixes)
+    with fleet.client() as client:
+        for seed in range(100, 120):
+            tokens = make_tokens(3 * BLOCK, seed=seed).tolist()
+            client.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+            fleet.prefixes.append(tokens)
+        held = [client.lookup(p, model=TINY).num_tokens for p in fleet.prefixes[:before]]
+    assert sum(held) < sum(len(p) for p in fleet.prefixes[:before])  # the budget evicted old blocks
+    fleet.assert_view_equals_store()

@@ -10,7 +10,7 @@ prefix up to its end (routers match prefixes by following `parent_block_hash`):
   fingerprint and the namespace (kvstore/keys.py), so a child's first `parent_block_hash` is
   its parent's key, with no lookup;
 - the others chain from the parent's name (or, at depth 0, from a hash of the namespace and
-  model): `h[j] = xxh3_64(tokens[j*r:(j+1)*r] as int64 little-endian, seed=h[j-1])`.
+  model): `h[j] = xxh3_64(tokens[j*r:(j+1)*r] as uint32 little-endian, seed=h[j-1])`.
 
 So two namespaces, or two models, never share a router hash even for equal tokens, while two
 stored blocks that share a parent and their first tokens share those router blocks (as a
@@ -44,16 +44,18 @@ def key_hash(key: bytes) -> int:
 
 def router_hashes(meta: BlockMeta, router_tokens: int) -> list[int]:
     """The hashes of the `len(meta.tokens) // router_tokens` router blocks of one stored block."""
-    data = memoryview(np.ascontiguousarray(meta.tokens, dtype="<i8").tobytes())
-    step = 8 * router_tokens  # bytes of one router block
+    # kvsieve's tokens are uint32 already (kvstore/keys.py): a view, no copy
+    data = memoryview(np.ascontiguousarray(meta.tokens, dtype="<u4")).cast("B")
+    step = 4 * router_tokens  # bytes of one router block
     previous = parent_hash(meta)
     if previous is None:
         previous = xxhash.xxh3_64_intdigest(meta.namespace + meta.fingerprint)
+    digest = xxhash.xxh3_64_intdigest
     hashes = []
     for start in range(0, len(data) - step, step):  # all but the last, which is named by the key
-        previous = xxhash.xxh3_64_intdigest(data[start : start + step], previous)
+        previous = digest(data[start : start + step], previous)
         hashes.append(previous)
-    hashes.append(key_hash(meta.key))
+    hashes.append(int.from_bytes(meta.key[:8], "big"))
     return hashes
 
 

@@ -226,6 +226,7 @@ class Publisher:
         self._snapshot = listed_blocks  # read afresh when news was dropped
         self._announced: dict[bytes, BlockMeta] = {}  # what subscribers were told is held
         self._holders: dict[int, int] = {}  # router hash -> announced blocks that hold it
+        self._hashes: dict[bytes, list[int]] = {}  # router hashes of each announced block
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._encoder = wire_encoder()
         # A restarted sidecar must continue above its last number: routers drop older ones.
@@ -332,18 +333,25 @@ class Publisher:
             yield self._wire.BlockRemoved(block_hashes=gone, medium=self.config.medium)
 
     def _hold(self, meta: BlockMeta) -> wire.BlockStored | None:
-        """Count `meta` as a holder of its router blocks; the event for those not held before
-        (they follow the ones already held: a router block's holders hold its parents)."""
+        """Count `meta` as a holder of its router blocks; the event for those not held before.
+        The ones held before lead (a router block's holders hold its parents), so the event
+        starts where they end."""
         r = self.config.router_block_tokens
         hashes = hashing.router_hashes(meta, r)
-        new_from = len(hashes)
-        for index, h in enumerate(hashes):
-            held = self._holders.get(h, 0)
-            self._holders[h] = held + 1
-            if not held:
-                new_from = min(new_from, index)
-        if new_from == len(hashes):
-            return None
+        self._hashes[meta.key] = hashes
+        holders = self._holders
+        if hashes[0] not in holders:  # the usual case: nothing shared, one C call
+            holders.update(dict.fromkeys(hashes, 1))
+            new_from = 0
+        else:
+            new_from = len(hashes)
+            for index, h in enumerate(hashes):
+                held = holders.get(h, 0)
+                holders[h] = held + 1
+                if not held and index < new_from:
+                    new_from = index
+            if new_from == len(hashes):
+                return None
         parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
         extra = hashing.extra_keys(meta, len(hashes) - new_from)
         return self._wire.BlockStored(
@@ -354,18 +362,22 @@ class Publisher:
 
     def _release(self, meta: BlockMeta) -> list[int]:
         """Uncount `meta` as a holder; the router blocks it was the last holder of."""
+        hashes = self._hashes.pop(meta.key, None)
+        if hashes is None:
+            hashes = hashing.router_hashes(meta, self.config.router_block_tokens)
         gone = []
-        for h in hashing.router_hashes(meta, self.config.router_block_tokens):
-            held = self._holders.pop(h, 0) - 1
+        holders = self._holders
+        for h in hashes:
+            held = holders.pop(h, 0) - 1
             if held > 0:
-                self._holders[h] = held
+                holders[h] = held
             else:
                 gone.append(h)
         return gone
 
     def _announce_all(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
         """Start afresh from `metas` (parents first): a clear, then their stored events."""
-        self._announced, self._holders = {}, {}
+        self._announced, self._holders, self._hashes = {}, {}, {}
         return [self._wire.AllBlocksCleared(), *self._listed(metas)]
 
     def _snapshot_events(self) -> list[wire.Event]:

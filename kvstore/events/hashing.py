@@ -45,7 +45,7 @@ def key_hash(key: bytes) -> int:
 def router_hashes(meta: BlockMeta, router_tokens: int) -> list[int]:
     """The hashes of the `len(meta.tokens) // router_tokens` router blocks of one stored block."""
     # kvsieve's tokens are uint32 already (kvstore/keys.py): a view, no copy
-    data = memoryview(np.ascontiguousarray(meta.tokens, dtype="<u4")).cast("B")
+    data = memoryview(np.ascontiguousarray(meta.tokens, dtype="<u4").data).cast("B")
     step = 4 * router_tokens  # bytes of one router block
     previous = parent_hash(meta)
     if previous is None:

@@ -453,3 +453,30 @@ def test_sequence_of_a_restarted_publisher_starts_above_the_last(published: Publ
     again = Publisher(config, Sockets.open(config, zmq), listed_blocks=list)
     assert again.stats().last_seq >= first
     again.close()  # never started: closes its sockets
+
+
+def test_llm_d_style_the_sidecar_connects_to_a_subscriber_that_binds(
+    tmp_path: Path, context: zmq.Context[Any]
+) -> None:
+    """llm-d's indexer binds and filters on the topic `kv@<pod>@<model>`: the publisher connects."""
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    config = EventsConfig(f"tcp://127.0.0.1:{port}", topic="kv@pod-1@tiny", connect=True, heartbeat_s=0.05)
+    with TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)) as store:
+        publisher = open_publisher(config, BLOCK, store)
+        try:
+            tokens = make_tokens(BLOCK, seed=4)
+            store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+            stored = None
+            while stored is None:
+                assert sub.poll(10_000), "nothing arrived on the subscriber's bound socket"
+                topic, _seq, payload = sub.recv_multipart()
+                assert topic == b"kv@pod-1@tiny"
+                events = DECODER.decode(payload).events
+                stored = next((e for e in events if isinstance(e, VLLM["BlockStored"])), None)
+            assert stored.token_ids == tokens.tolist() and stored.medium == "CPU"
+        finally:
+            store.watch(None)
+            publisher.close()
+            sub.close(0)

@@ -10,8 +10,9 @@ with kvsieve's interpreter, store them.
     python THIS bench --kvsieve-python PY --work DIR [--quick]   (bench/sglang_bench.py's figures)
     python THIS --check                                      (only import)
 
-The scenario and measurement code is in bench/sglang_hicache_runs.py; this file only
-prepares the interpreter (torchvision's two schemas) and dispatches.
+The scenarios are in bench/sglang_hicache_scenarios.py, the measurements in
+bench/sglang_hicache_measure.py, what both drive in bench/sglang_hicache_parts.py;
+this file only prepares the interpreter (torchvision's two schemas) and dispatches.
 """
 
 from __future__ import annotations
@@ -48,19 +49,19 @@ def main() -> None:
     parser.add_argument("--redis-url", help="scenarios: also share pages through this Redis")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the backend's expected misses log warnings
-    from bench import sglang_hicache_runs as runs
+    from bench import sglang_hicache_measure, sglang_hicache_parts, sglang_hicache_scenarios
 
     if args.check or args.mode is None:
-        runs.check_imports()
+        sglang_hicache_parts.check_imports()
         print("sglang HiCache backend imports")
         return
     if args.work is None:
         parser.error("--work DIR is required")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.mode == "scenarios":
-        out = runs.scenarios(args.kvsieve_python, args.work, args.redis_url)
+        out = sglang_hicache_scenarios.scenarios(args.kvsieve_python, args.work, args.redis_url)
     else:
-        out = runs.measure(args.kvsieve_python, args.work, quick=args.quick)
+        out = sglang_hicache_measure.measure(args.kvsieve_python, args.work, quick=args.quick)
     print(json.dumps(out))
 
 

@@ -27,7 +27,10 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorage,
     HiCacheStorageConfig,
 )
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # type: ignore[import-not-found]
+from sglang.srt.mem_cache.pool_host.mha import (  # type: ignore[import-not-found]
+    AsymmetricMHATokenToKVPoolHost,
+    MHATokenToKVPoolHost,
+)
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # type: ignore[import-not-found]
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # type: ignore[import-not-found]
 
@@ -142,6 +145,22 @@ def mha_pool(geom: Geometry, layout: str, pages: int, seed: int | None = None) -
         host_token_capacity=pages * geom.page_size,
     )  # fmt: skip
     return _randomised(pool, seed)
+
+
+def split_width_pool(geom: Geometry, pages: int) -> Any:
+    """SGLang's MHA host pool with V half as wide as K (its own K and V buffers), page-first."""
+    ps = geom.page_size
+    k = tuple(torch.zeros(ps, geom.heads, geom.head_dim, dtype=geom.dtype) for _ in range(geom.layers))
+    v = tuple(torch.zeros(ps, geom.heads, geom.head_dim // 2, dtype=geom.dtype) for _ in range(geom.layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=ps, head_num=geom.heads, head_dim=geom.head_dim, v_head_dim=geom.head_dim // 2,
+        dtype=geom.dtype, device=torch.device("cpu"),
+    )  # fmt: skip
+    return AsymmetricMHATokenToKVPoolHost(
+        info, 2.0, 0, ps, "page_first", pin_memory=False, device="cpu", device_capacity_tokens=ps,
+        start_layer=0, end_layer=geom.layers, host_token_capacity=pages * ps,
+    )  # fmt: skip
 
 
 def mla_pool(geom: Geometry, layout: str, pages: int, seed: int | None = None) -> Any:

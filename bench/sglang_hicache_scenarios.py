@@ -28,6 +28,7 @@ from bench.sglang_hicache_parts import (
     mla_pool,
     pages_equal,
     slots,
+    split_width_pool,
     storage_config,
     token_major,
 )
@@ -61,6 +62,7 @@ def scenarios(python: str, work: Path, redis_url: str | None = None) -> dict[str
         out["paused"] = _paused(sidecar, keys)
         out["corrupt"] = _corrupt_on_disk(sidecar, source, keys)
         out["mla"] = _mla(sidecar)
+        out["refused"] = _refused_pool(sidecar)
         if redis_url:
             out["redis"] = _shared_through_redis(python, work, redis_url)
         out["stats"] = {"backup_pgs": writer.get_stats().backup_pgs, "clear": writer.clear()}
@@ -301,6 +303,17 @@ def _shared_through_redis(python: str, work: Path, redis_url: str) -> dict[str, 
         first.stop()
         second.stop()
     return out
+
+
+def _refused_pool(sidecar: Sidecar) -> str:
+    """A host pool the backend does not handle (K and V of different widths): attaching says
+    so (SGLang then refuses to attach the storage), rather than storing pages it could misread.
+    (SGLang's page_head and page_first_kv_split pools cannot be built on the CPU.)"""
+    try:
+        attach(storage_config(sidecar.address), split_width_pool(SMALL, 2))
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def _mla(sidecar: Sidecar) -> dict[str, Any]:

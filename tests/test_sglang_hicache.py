@@ -172,6 +172,12 @@ def test_pages_are_shared_through_redis_by_an_instance_on_another_sidecar(seen: 
 
 
 @pytest.mark.sglang
+def test_a_host_pool_it_cannot_read_is_refused_by_name(seen: dict[str, Any]) -> None:
+    assert "AsymmetricMHATokenToKVPoolHost" in seen["refused"]
+    assert "split K/V widths" in seen["refused"]
+
+
+@pytest.mark.sglang
 def test_backup_metrics_and_clear(seen: dict[str, Any]) -> None:
     assert seen["stats"] == {"backup_pgs": [128], "clear": False}
 

@@ -201,9 +201,11 @@ def token_major(pool: Any, page: int) -> torch.Tensor:
     (`init_kv_buffer`): the order in which two layouts must agree, independent of the backend."""
     start = page * pool.page_size
     raw = pool.get_data_page(start, flat=False).view(torch.int16)
-    mla = pool.kv_buffer.dim() == 4
     if pool.layout == "layer_first":
         return raw.clone()
+    if pool.layout == "page_first_direct":  # (2, 1, L, ps, H, D) or (1, L, ps, 1, D)
+        return (raw[0] if pool.kv_buffer.dim() == 5 else raw[:, 0]).clone()
+    mla = pool.kv_buffer.dim() == 4
     return (raw.transpose(0, 1) if mla else raw.transpose(1, 2)).clone()  # page_first
 
 

@@ -58,7 +58,7 @@ def test_sglang_factory_loads_the_backend_by_dynamic(seen: dict[str, Any]) -> No
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_128_pages_round_trip_byte_exact_into_either_layout(seen: dict[str, Any], layout: str) -> None:
     """Written from a layer-first pool by batch_set_v1, read by batch_get_v1 into `layout`."""
     assert seen["set_v1"] == [True] * 128

@@ -173,7 +173,8 @@ class LayeredLoad(Protocol):
         """Approximate keys of `layer` over the matched prefix, from its summaries.
 
         Returns float32 (kv_heads, matched_tokens, head_dim), post-RoPE like the keys.
-        Reads the layer's summaries on first use (counted in `bytes_read`).
+        Reads the layer's summaries on first use (counted in `bytes_read`); an implementation
+        may read the next layers' ahead, while the caller computes (counted when read).
 
         Raises:
             InvalidInputError: layer out of range.

@@ -122,7 +122,8 @@ def test_open_layers_summaries_are_lowbit_of_the_stored_keys(layered: TieredStor
             got = load.key_summary(layer)
             assert got.dtype == np.float32 and got.shape == (TINY.num_kv_heads, N, TINY.head_dim)
             np.testing.assert_array_equal(got, np.concatenate(expected, axis=1))
-            assert load.bytes_read == (layer + 1) * 3 * one
+            # layers after it may be read ahead already (kvstore/load/ahead.py), never twice
+            assert (layer + 1) * 3 * one <= load.bytes_read <= load.summary_bytes
         load.key_summary(0)  # read once per layer
         assert load.bytes_read == load.summary_bytes and load.delivered_tokens == 0
 
@@ -163,7 +164,8 @@ def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
                 load.key_summary(0)  # all of block 0's layer 0: its layer record is read whole
                 np.testing.assert_array_equal(load.read_layer(0, [0, 1, 2, 3]).kv, kv[0][:, :, :32])
             counters = store.stats().counters
-            assert counters[f"summary_hits.{expected_tier}"] == 3
+            hits = counters[f"summary_hits.{expected_tier}"]  # + layers read ahead (ahead.py)
+            assert hits >= 3 and hits % 3 == 0
             assert counters[f"chunk_hits.{expected_tier}"] == 1
         for _ in range(2):  # one chunk of block 1: header and chunk ranges, never promoted
             with store.open_layers(toks, model=TINY) as load:

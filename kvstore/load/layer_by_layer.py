@@ -16,6 +16,7 @@ a miss (deleted there), so the block then is in no tier: NotFoundError.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from kvstore.format.chunk import GeometryError
 from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
 from kvstore.format.layer_record import decode_layer_record
 from kvstore.format.layered_block import layer_geometry, summary_geometry
+from kvstore.load.ahead import LayersAhead
 from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, reads_whole
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
@@ -100,6 +102,9 @@ class LocalLayeredLoad:
         self._headers: dict[tuple[int, int], RangedHeader] = {}  # (block, layer): verified
         # (tier, block key): every layer's summary record, read at once (`_summary_record`)
         self._summary_records: dict[tuple[str, bytes], list[bytes | None]] = {}
+        self._ahead: LayersAhead[Array] | None = None  # summaries read ahead (`key_summary`)
+        self._ahead_next = 0  # the first layer the thread still owes
+        self._lock = threading.Lock()  # the reader thread and the caller both count and cache
 
     @property
     def delivered_fraction(self) -> float:
@@ -113,10 +118,28 @@ class LocalLayeredLoad:
         return self.bytes_read / self.prefix_bytes if self.prefix_bytes else 0.0
 
     def key_summary(self, layer: int) -> Array:
-        """Approximate keys of `layer`: float32 (kv_heads, matched_tokens, head_dim); see the contract."""
-        if layer not in self._summaries:
-            self._summaries[layer] = dequantize(self.lowbit_summary(layer))
-        return self._summaries[layer]
+        """Approximate keys of `layer`: float32 (kv_heads, matched_tokens, head_dim); see the contract.
+
+        Asking for layer 0 first (a prefill does) starts a thread that reads and decodes the next
+        layers' summaries while the model computes (kvstore/load/ahead.py). Only the latest
+        layer's keys are kept (a prefix of 8k tokens: 6 MB a layer); an earlier one asked again
+        is decoded again from its low-bit codes.
+        """
+        self._check_layer(layer)
+        if layer in self._summaries:
+            return self._summaries[layer]
+        if self._ahead is None and layer == 0 and self.num_layers > 1 and self._metas:
+            self._ahead = LayersAhead(self._decoded_summary, self.num_layers)
+        if self._ahead is not None and layer >= self._ahead_next:
+            keys = self._ahead.get(layer)
+            self._ahead_next = layer + 1
+        else:
+            keys = self._decoded_summary(layer)
+        self._summaries = {layer: keys}
+        return keys
+
+    def _decoded_summary(self, layer: int) -> Array:
+        return dequantize(self.lowbit_summary(layer))
 
     def lowbit_summary(self, layer: int) -> LowBitKeys:
         """Layer `layer`'s summaries over the matched prefix as stored (what the sidecar sends):
@@ -157,7 +180,9 @@ class LocalLayeredLoad:
         return () if self._pinned is None else self._pinned.keys
 
     def close(self) -> None:
-        """Release the pin: exactly the nodes `open_layered` pinned. Idempotent."""
+        """Stop reading ahead, then release the pin: exactly the nodes `open_layered` pinned. Idempotent."""
+        if self._ahead is not None:
+            self._ahead.stop()
         pin, self._pinned = self._pinned, None
         if pin is not None:
             self._index.tree.unpin(pin)
@@ -210,7 +235,7 @@ class LocalLayeredLoad:
                 found[0].data, meta.chunk_id(index), found[0].trusted, geometry=geometry
             )
             fetcher.promote(meta, index, found[0], header, chunks)
-            self.bytes_read += len(found[0].data)
+            self._count_read(len(found[0].data))
             return chunks[mine]
         for _attempt in range(2):  # a cached header's tier may have dropped the record since
             head = self._headers.get((block_index, layer))
@@ -219,13 +244,13 @@ class LocalLayeredLoad:
                 if head is None:
                     return None
                 self._headers[(block_index, layer)] = head
-                self.bytes_read += head.header.size
+                self._count_read(head.header.size)
             got = read_chunk_runs(fetcher, meta, index, head, mine)
             if got is None:
                 del self._headers[(block_index, layer)]
                 continue
             runs, nbytes = got
-            self.bytes_read += nbytes
+            self._count_read(nbytes)
             return np.concatenate([run for _, run in runs])
         return None
 
@@ -245,7 +270,7 @@ class LocalLayeredLoad:
                 self._lose(meta, "geometry_mismatches" if geometry else "checksum_failures")
                 error = GeometryError if geometry else ChecksumError
                 raise error(f"block {meta.key.hex()}, summary of layer {layer}: {exc}") from exc
-            self.bytes_read += len(data)
+            self._count_read(len(data))
             self._counters.add_many({f"summary_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
             if tier is not self._fetcher.tiers.memory:
                 self._index.promote(meta, index, bytes(data))
@@ -262,15 +287,22 @@ class LocalLayeredLoad:
         for a 4,096-token prefix (issue #27, item 5).
         """
         cache_key = (tier.name, meta.key)
-        records = self._summary_records.get(cache_key)
+        with self._lock:
+            records = self._summary_records.get(cache_key)
         if records is None:
             records = [None] * meta.num_layers
             with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
                 wanted = [meta.record_index(other) for other in range(meta.num_layers)]
                 records = [None if d is None else bytes(d) for d in tier.get_chunks(meta, wanted)]
-            self._summary_records[cache_key] = records
-        data, records[layer] = records[layer], None
+            with self._lock:
+                records = self._summary_records.setdefault(cache_key, records)
+        with self._lock:
+            data, records[layer] = records[layer], None
         return data
+
+    def _count_read(self, nbytes: int) -> None:
+        with self._lock:  # the reader thread counts summaries while the caller counts chunks
+            self.bytes_read += nbytes
 
     def _lose(self, meta: BlockMeta, counter: str) -> None:
         self._counters.add(counter)

@@ -40,7 +40,8 @@ from bench.dynamo_indexer import DynamoIndexer, dynamo_python
 from bench.sidecar import Sidecar, free_port
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
-from kvstore.events.publisher import EventsConfig, open_publisher
+from kvstore.events.config import EventsConfig
+from kvstore.events.publisher import open_publisher
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore

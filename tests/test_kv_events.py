@@ -36,7 +36,8 @@ from bench.sidecar import free_port
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.events import hashing, wire
-from kvstore.events.publisher import EventsConfig, Publisher, Sockets, open_publisher
+from kvstore.events.config import EventsConfig
+from kvstore.events.publisher import Publisher, Sockets, open_publisher
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import EventsCollector
@@ -82,7 +83,9 @@ class Subscriber:
     replay_endpoint: str
     sub: Any = None
     last_seq: int | None = None
-    held: dict[int, Any] = field(default_factory=dict)  # router hash -> BlockStored event
+    medium: str = "STORAGE"  # the store's durable tier; "CPU" events are then memory's
+    held: dict[int, Any] = field(default_factory=dict)  # router hash -> BlockStored, durable tier
+    memory: dict[int, Any] = field(default_factory=dict)  # the same, for blocks whole in memory
     gaps: int = 0
     batches: int = 0
     receive_hwm: int = 1000  # ZMQ's default
@@ -138,12 +141,14 @@ class Subscriber:
         for event in batch.events:
             if isinstance(event, VLLM["AllBlocksCleared"]):
                 self.held.clear()
-            elif isinstance(event, VLLM["BlockStored"]):
-                for h in event.block_hashes:
-                    self.held[h] = event
+                self.memory.clear()
+                continue
+            tier = self.held if event.medium == self.medium else self.memory
+            if isinstance(event, VLLM["BlockStored"]):
+                tier.update(dict.fromkeys(event.block_hashes, event))
             else:
                 for h in event.block_hashes:
-                    self.held.pop(h, None)
+                    tier.pop(h, None)
 
     def close(self) -> None:
         self.sub.close(0)
@@ -152,6 +157,12 @@ class Subscriber:
 def store_view(store: TieredStore) -> set[int]:
     """The router hashes of every block the store lists."""
     return {h for meta in store.listed_blocks() for h in hashing.router_hashes(meta, ROUTER)}
+
+
+def memory_view(store: TieredStore) -> set[int]:
+    """The router hashes of every listed block held whole in memory (beside a durable tier)."""
+    whole = store.keys_in_memory()
+    return {h for m in store.listed_blocks() if m.key in whole for h in hashing.router_hashes(m, ROUTER)}
 
 
 @dataclass
@@ -176,7 +187,7 @@ def context() -> Iterator[zmq.Context[Any]]:
 def publish(store: TieredStore, context: zmq.Context[Any], **kwargs: Any) -> Published:
     config = events_config(**kwargs)
     publisher = open_publisher(config, BLOCK, store)
-    router = Subscriber(context, config.endpoint, config.replay_endpoint)
+    router = Subscriber(context, config.endpoint, config.replay_endpoint, medium=config.medium)
     router.catch_up(publisher)
     return Published(store, publisher, router)
 
@@ -314,6 +325,35 @@ def test_evicted_blocks_are_removed(tmp_path: Path, context: zmq.Context[Any]) -
         close(p)
 
 
+def test_memory_is_a_tier_of_its_own_beside_the_disk(tmp_path: Path, context: zmq.Context[Any]) -> None:
+    """Beside a disk tier, memory is a cache: a block held whole in memory is announced on CPU
+    too, leaves CPU when memory gives up one of its chunks (disk still holds it), and comes back
+    when a load promotes it whole again."""
+    block_bytes = TINY.token_bytes * BLOCK
+    config = StoreConfig(
+        data_dir=tmp_path / "data", block_tokens=BLOCK, chunk_tokens=8, memory_bytes=int(3.5 * block_bytes)
+    )
+    p = publish(TieredStore(config), context)
+    try:
+        prefixes = [make_tokens(BLOCK, seed=seed) for seed in range(6)]
+        for tokens in prefixes:
+            p.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
+        p.router.catch_up(p.publisher)
+        assert len(p.router.held) == 6 * BLOCK // ROUTER  # all on disk
+        assert 0 < len(p.router.memory) < len(p.router.held)  # some left memory
+        assert set(p.router.held) == store_view(p.store) and set(p.router.memory) == memory_view(p.store)
+        assert {e.medium for e in p.router.memory.values()} == {"CPU"}
+        first = block_keys(prefixes[0], BLOCK, TINY.fingerprint, namespace_digest("default"))[0]
+        assert first not in p.store.keys_in_memory()  # the oldest went first
+        p.store.load_arrays(prefixes[0], model=TINY)  # promoted whole again
+        p.router.catch_up(p.publisher)
+        assert first in p.store.keys_in_memory()
+        assert hashing.key_hash(first) in p.router.memory
+        assert set(p.router.memory) == memory_view(p.store)
+    finally:
+        close(p)
+
+
 def test_many_stores_gap_free_and_equal_to_the_store(published: Published) -> None:
     for seed in range(200):
         tokens = make_tokens(2 * BLOCK, seed=seed)
@@ -322,6 +362,7 @@ def test_many_stores_gap_free_and_equal_to_the_store(published: Published) -> No
     assert published.router.gaps == 0
     assert published.publisher.stats().dropped == 0
     assert set(published.router.held) == store_view(published.store)
+    assert set(published.router.memory) == memory_view(published.store)
 
 
 def test_a_subscriber_that_never_reads_blocks_nothing(tmp_path: Path) -> None:
@@ -339,7 +380,7 @@ def test_a_subscriber_that_never_reads_blocks_nothing(tmp_path: Path) -> None:
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
     stalled.connect(config.endpoint)
-    router = Subscriber(shared, config.endpoint, config.replay_endpoint, receive_hwm=4)
+    router = Subscriber(shared, config.endpoint, config.replay_endpoint, medium="CPU", receive_hwm=4)
     router.catch_up(publisher)
     p = Published(store, publisher, router)
     try:
@@ -364,15 +405,15 @@ def test_a_subscriber_that_never_reads_blocks_nothing(tmp_path: Path) -> None:
 def test_a_full_queue_drops_news_counts_it_and_resyncs(tmp_path: Path, context: zmq.Context[Any]) -> None:
     store = TieredStore(StoreConfig(data_dir=tmp_path / "data", block_tokens=BLOCK, chunk_tokens=8))
     config = events_config(queue_size=2)
-    publisher = Publisher(config, Sockets.open(config, zmq), listed_blocks=store.listed_blocks)
+    publisher = Publisher(config, Sockets.open(config, zmq), store=store)
     snapshot = store.watch(publisher)  # not started yet: nothing drains the queue
     for seed in range(5):
         tokens = make_tokens(BLOCK, seed=seed)
         store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
-    assert publisher.stats().dropped == 3
+    assert publisher.stats().dropped == 8  # each store brings two news (whole in memory, listed)
     metrics = {m.name: m.samples[0].value for m in EventsCollector(publisher).collect()}
-    assert metrics["kvsieve_kv_events_dropped"] == 3
-    publisher.start(snapshot)
+    assert metrics["kvsieve_kv_events_dropped"] == 8
+    publisher.start(snapshot, store.keys_in_memory())
     router = Subscriber(context, config.endpoint, config.replay_endpoint)
     p = Published(store, publisher, router)
     try:
@@ -399,7 +440,7 @@ def test_replay_answers_from_its_buffer_and_a_snapshot_for_a_sequence_long_gone(
         gone = p.router.replay(0)  # long before the buffer: one snapshot, numbered as the newest
         assert len(gone) == 1 and gone[0][0] >= last
         events = gone[0][1].events
-        assert isinstance(events[0], VLLM["AllBlocksCleared"]) and len(events) == 1 + 6
+        assert isinstance(events[0], VLLM["AllBlocksCleared"]) and len(events) == 1 + 6 + 6  # disk, memory
         assert p.router.replay(2**63) == []  # nothing that new: the end marker alone
         dealer = context.socket(zmq.DEALER)
         dealer.connect(p.publisher.config.replay_endpoint)
@@ -450,7 +491,7 @@ def test_sequence_of_a_restarted_publisher_starts_above_the_last(published: Publ
     first = published.publisher.stats().last_seq
     time.sleep(0.001)
     config = events_config()
-    again = Publisher(config, Sockets.open(config, zmq), listed_blocks=list)
+    again = Publisher(config, Sockets.open(config, zmq), store=published.store)
     assert again.stats().last_seq >= first
     again.close()  # never started: closes its sockets
 

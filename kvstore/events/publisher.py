@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import InvalidInputError
-from kvstore.events import hashing
+from kvstore.events.config import EventsConfig
 from kvstore.format.block_meta import BlockMeta
 
 if TYPE_CHECKING:
@@ -46,64 +46,7 @@ if TYPE_CHECKING:
     from kvstore.events import wire
 
 log = logging.getLogger(__name__)
-SCHEMES = ("tcp://", "ipc://", "inproc://")
 LINGER_S = 0.005  # how long the first news of a batch waits for more (adds to the event lag)
-
-
-@dataclass(frozen=True)
-class EventsConfig:
-    """Where and how KV events are published.
-
-    Attributes:
-        endpoint: ZMQ address of the PUB socket ("tcp://HOST:PORT", "ipc://PATH").
-        replay_endpoint: ZMQ address of the replay (ROUTER) socket; empty: no replay.
-        topic: first frame of every message (llm-d reads `kv@<pod>@<model>`; empty for Dynamo).
-        router_block_tokens: the router's block size; must divide the store's block_tokens.
-        connect: connect the PUB socket to a subscriber that binds (llm-d) instead of binding.
-        queue_size: block changes waiting to be published before news is dropped.
-        replay_batches: published batches kept for replay.
-        heartbeat_s: an empty batch after this many seconds without news.
-        medium: the tier label of the store's blocks (kvstore/events/publisher.py `medium_of`).
-        high_water_mark: messages ZMQ keeps for one subscriber before it drops that
-            subscriber's messages (it never blocks the publisher).
-    """
-
-    endpoint: str
-    replay_endpoint: str = ""
-    topic: str = ""
-    router_block_tokens: int = 16
-    connect: bool = False
-    queue_size: int = 100_000
-    replay_batches: int = 10_000
-    heartbeat_s: float = 1.0
-    medium: str = "CPU"
-    high_water_mark: int = 10_000
-
-    def __post_init__(self) -> None:
-        for name in ("endpoint", "replay_endpoint"):
-            value = getattr(self, name)
-            if (value or name == "endpoint") and not value.startswith(SCHEMES):
-                raise InvalidInputError(
-                    f"kv_events {name} must start with one of {', '.join(SCHEMES)}, got {value!r}"
-                )
-        if self.replay_endpoint and self.replay_endpoint == self.endpoint:
-            raise InvalidInputError("kv_events replay endpoint must differ from the publishing endpoint")
-        if min(self.router_block_tokens, self.queue_size, self.replay_batches, self.high_water_mark) < 1:
-            raise InvalidInputError(
-                "kv_events_block_tokens, kv_events_queue, kv_events_replay_batches and the high-water "
-                f"mark must be >= 1, got {self.router_block_tokens}, {self.queue_size}, "
-                f"{self.replay_batches}, {self.high_water_mark}"
-            )
-        if not 0 < self.heartbeat_s <= 3600:
-            raise InvalidInputError(f"kv_events_heartbeat_s must be in (0, 3600], got {self.heartbeat_s}")
-
-    def check_block_tokens(self, block_tokens: int) -> None:
-        """Refuse a router block size that does not divide the store's blocks."""
-        if block_tokens % self.router_block_tokens:
-            raise InvalidInputError(
-                f"kv_events_block_tokens ({self.router_block_tokens}) must divide the store's "
-                f"block_tokens ({block_tokens})"
-            )
 
 
 @dataclass(frozen=True)
@@ -119,13 +62,6 @@ class PublisherStats:
     last_seq: int
 
 
-def medium_of(has_disk: bool, has_remote: bool) -> str:
-    """The tier label a router is given for the store's blocks: where every listed block is
-    held whole. vLLM's labels, which Dynamo weighs: "CPU" (host memory), "STORAGE" (disk, and
-    a shared remote tier; Dynamo counts both as its lower tier)."""
-    return "STORAGE" if has_disk or has_remote else "CPU"
-
-
 class WatchedStore(Protocol):
     """What the publisher needs of a store (kvstore.store.tiered.TieredStore has it)."""
 
@@ -135,6 +71,10 @@ class WatchedStore(Protocol):
 
     def listed_blocks(self) -> list[BlockMeta]:
         """The blocks listed now, parents first."""
+        ...
+
+    def keys_in_memory(self) -> set[bytes]:
+        """The blocks held whole in a memory tier that caches a durable one."""
         ...
 
 
@@ -154,8 +94,9 @@ def open_publisher(config: EventsConfig, block_tokens: int, store: WatchedStore)
         raise InvalidInputError(
             f"--kv-events needs pyzmq and msgspec ({exc.name} is missing): pip install 'kvsieve[events]'"
         ) from exc
-    publisher = Publisher(config, Sockets.open(config, zmq), listed_blocks=store.listed_blocks)
-    publisher.start(store.watch(publisher))
+    publisher = Publisher(config, Sockets.open(config, zmq), store=store)
+    listed = store.watch(publisher)
+    publisher.start(listed, store.keys_in_memory())
     return publisher
 
 
@@ -212,21 +153,20 @@ class Publisher:
     """
 
     def __init__(
-        self, config: EventsConfig, sockets: Sockets, *, listed_blocks: Callable[[], list[BlockMeta]],
-        first_seq: int | None = None,
-    ) -> None:  # fmt: skip
+        self, config: EventsConfig, sockets: Sockets, *, store: WatchedStore, first_seq: int | None = None
+    ) -> None:
         from kvstore.events import wire
+        from kvstore.events.view import RouterView
 
         self.config = config
         self._wire = wire
         self._sockets = sockets
+        self._store = store  # read afresh when news was dropped
         self._topic = config.topic.encode()
-        self._queue: queue.Queue[tuple[bool, Sequence[BlockMeta]]] = queue.Queue(config.queue_size)
+        self._queue: queue.Queue[tuple[str, Sequence[Any]]] = queue.Queue(config.queue_size)
         self._resync = threading.Event()  # news was dropped: publish a fresh snapshot
-        self._snapshot = listed_blocks  # read afresh when news was dropped
-        self._announced: dict[bytes, BlockMeta] = {}  # what subscribers were told is held
-        self._holders: dict[int, int] = {}  # router hash -> announced blocks that hold it
-        self._hashes: dict[bytes, list[int]] = {}  # router hashes of each announced block
+        self._view = RouterView(config.medium, config.router_block_tokens)
+        self._start: tuple[list[BlockMeta], set[bytes]] = ([], set())
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._encoder = wire_encoder()
         # A restarted sidecar must continue above its last number: routers drop older ones.
@@ -238,24 +178,30 @@ class Publisher:
     # -- BlockListener (store threads: never block) ----------------------------------
 
     def blocks_listed(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer(True, metas)
+        self._offer("listed", metas)
 
     def blocks_unlisted(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer(False, metas)
+        self._offer("unlisted", metas)
 
-    def _offer(self, listed: bool, metas: Sequence[BlockMeta]) -> None:
+    def blocks_in_memory(self, metas: Sequence[BlockMeta]) -> None:
+        self._offer("in_memory", metas)
+
+    def blocks_out_of_memory(self, keys: Sequence[bytes]) -> None:
+        self._offer("out_of_memory", keys)
+
+    def _offer(self, news: str, items: Sequence[Any]) -> None:
         try:
-            self._queue.put_nowait((listed, metas))
+            self._queue.put_nowait((news, items))
         except queue.Full:
-            self._counts["dropped"] += len(metas)  # a lost increment only undercounts drops
+            self._counts["dropped"] += len(items)  # a lost increment only undercounts drops
             self._resync.set()
 
     # -- life -----------------------------------------------------------------------
 
-    def start(self, snapshot: list[BlockMeta]) -> None:
-        """Publish `snapshot` (the store's blocks, parents first) after a clear, then follow
-        the queue."""
-        self._announced = {meta.key: meta for meta in snapshot}  # published first, by the thread
+    def start(self, listed: list[BlockMeta], in_memory: set[bytes]) -> None:
+        """Publish a clear and the store's blocks (`listed`, parents first; `in_memory`, those
+        held whole in memory), then follow the queue."""
+        self._start = (listed, in_memory)
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -283,7 +229,7 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            self._send(self._snapshot_events())
+            self._send(self._view.reset(*self._start))
             last_sent = time.monotonic()
             while not (self._stopping.is_set() and self._queue.empty()):
                 self._serve_replay()
@@ -311,79 +257,15 @@ class Publisher:
         with contextlib.suppress(queue.Empty):
             while len(items) < 4096:
                 items.append(self._queue.get_nowait())
+        view = self._view
+        apply: dict[str, Callable[[Any], Iterable[wire.Event]]] = {
+            "listed": view.listed, "unlisted": view.unlisted,
+            "in_memory": view.in_memory, "out_of_memory": view.out_of_memory,
+        }  # fmt: skip
         events: list[wire.Event] = []
-        for listed, metas in items:
-            events.extend(self._listed(metas) if listed else self._unlisted(metas))
+        for news, payload in items:
+            events.extend(apply[news](payload))
         return events
-
-    def _listed(self, metas: Iterable[BlockMeta]) -> Iterable[wire.Event]:
-        for meta in metas:
-            if meta.key not in self._announced:
-                self._announced[meta.key] = meta
-                event = self._hold(meta)
-                if event is not None:
-                    yield event
-
-    def _unlisted(self, metas: Iterable[BlockMeta]) -> Iterable[wire.Event]:
-        gone: list[int] = []
-        for meta in metas:
-            if self._announced.pop(meta.key, None) is not None:
-                gone.extend(self._release(meta))
-        if gone:
-            yield self._wire.BlockRemoved(block_hashes=gone, medium=self.config.medium)
-
-    def _hold(self, meta: BlockMeta) -> wire.BlockStored | None:
-        """Count `meta` as a holder of its router blocks; the event for those not held before.
-        The ones held before lead (a router block's holders hold its parents), so the event
-        starts where they end."""
-        r = self.config.router_block_tokens
-        hashes = hashing.router_hashes(meta, r)
-        self._hashes[meta.key] = hashes
-        holders = self._holders
-        if hashes[0] not in holders:  # the usual case: nothing shared, one C call
-            holders.update(dict.fromkeys(hashes, 1))
-            new_from = 0
-        else:
-            new_from = len(hashes)
-            for index, h in enumerate(hashes):
-                held = holders.get(h, 0)
-                holders[h] = held + 1
-                if not held and index < new_from:
-                    new_from = index
-            if new_from == len(hashes):
-                return None
-        parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
-        extra = hashing.extra_keys(meta, len(hashes) - new_from)
-        return self._wire.BlockStored(
-            block_hashes=hashes[new_from:], parent_block_hash=parent,
-            token_ids=meta.tokens[new_from * r :].tolist(), block_size=r, lora_id=None,
-            medium=self.config.medium, lora_name=None, extra_keys=extra,
-        )  # fmt: skip
-
-    def _release(self, meta: BlockMeta) -> list[int]:
-        """Uncount `meta` as a holder; the router blocks it was the last holder of."""
-        hashes = self._hashes.pop(meta.key, None)
-        if hashes is None:
-            hashes = hashing.router_hashes(meta, self.config.router_block_tokens)
-        gone = []
-        holders = self._holders
-        for h in hashes:
-            held = holders.pop(h, 0) - 1
-            if held > 0:
-                holders[h] = held
-            else:
-                gone.append(h)
-        return gone
-
-    def _announce_all(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
-        """Start afresh from `metas` (parents first): a clear, then their stored events."""
-        self._announced, self._holders, self._hashes = {}, {}, {}
-        return [self._wire.AllBlocksCleared(), *self._listed(metas)]
-
-    def _snapshot_events(self) -> list[wire.Event]:
-        """A clear, then every announced block, parents first (insertion order is parents first:
-        a block is listed after its parent and leaves no later than it)."""
-        return self._announce_all(list(self._announced.values()))
 
     def _resync_now(self) -> None:
         """News was dropped: forget the queue, read the store afresh, publish a snapshot."""
@@ -392,7 +274,7 @@ class Publisher:
             while True:
                 self._queue.get_nowait()
         self._counts["resyncs"] += 1
-        self._send(self._announce_all(self._snapshot()))
+        self._send(self._view.reset(self._store.listed_blocks(), self._store.keys_in_memory()))
 
     def _send(self, events: list[wire.Event]) -> None:
         seq = self._next_seq
@@ -433,7 +315,7 @@ class Publisher:
             return []
         if self._buffer and start >= self._buffer[0][0]:
             return [(seq, payload) for seq, payload in self._buffer if seq >= start]
-        return [(last, self._encode(self._snapshot_events()))]
+        return [(last, self._encode(self._view.snapshot()))]
 
 
 def wire_encoder() -> Any:

@@ -75,6 +75,7 @@ class StoreIndex:
         # under one lock so that the news arrives in the order of the changes.
         self._listener: BlockListener | None = None
         self._listen_lock = threading.Lock()
+        self._whole_in_memory: set[bytes] = set()  # blocks held whole by memory as a cache
 
     # -- what is cached -----------------------------------------------------------
 
@@ -94,6 +95,30 @@ class StoreIndex:
         """Tell `listener` of every block listed or unlisted from now on (None: nobody). Mutates."""
         with self._listen_lock:
             self._listener = listener
+
+    def keys_in_memory(self) -> set[bytes]:
+        """The blocks held whole in memory where memory caches a durable tier (a copy)."""
+        with self._memory_lock:
+            return set(self._whole_in_memory)
+
+    def _memory_changed_locked(self, key: bytes, meta: BlockMeta | None = None) -> None:
+        """Tell the listener when a block becomes held whole in memory, or stops being (memory
+        as a cache only: a memory-only store's blocks are all in memory while listed)."""
+        if not self._memory_is_cache:
+            return
+        whole = meta is not None and self._memory.chunks_held(key) == meta.num_chunks
+        if whole == (key in self._whole_in_memory):
+            return
+        listener = self._listener
+        if whole:
+            assert meta is not None
+            self._whole_in_memory.add(key)
+            if listener is not None:
+                listener.blocks_in_memory((meta,))
+        else:
+            self._whole_in_memory.discard(key)
+            if listener is not None:
+                listener.blocks_out_of_memory((key,))
 
     def _unlist(self, remove: Callable[[], list[Node]]) -> list[Node]:
         """Run a tree removal and tell the listener what left, in one step."""
@@ -236,6 +261,7 @@ class StoreIndex:
                 return False
             for index in range(len(chunks)):
                 self._policy.touch((meta.key, index), meta)
+            self._memory_changed_locked(meta.key, meta)
             return True
 
     def promote(self, meta: BlockMeta, index: int, data: bytes | memoryview) -> bool:
@@ -247,6 +273,7 @@ class StoreIndex:
             if not self._memory.put_chunk(meta, index, data):
                 return False
             self._policy.touch((meta.key, index), meta)
+            self._memory_changed_locked(meta.key, meta)
             return True
 
     def touch_memory(self, meta: BlockMeta, indices: Iterable[int]) -> None:
@@ -268,6 +295,7 @@ class StoreIndex:
             if freed:
                 self.memory_evictions += 1
                 used -= freed
+                self._memory_changed_locked(ref[0])
             if used + size <= capacity:
                 return
 
@@ -275,3 +303,4 @@ class StoreIndex:
         for index in range(meta.num_chunks):
             self._policy.remove((meta.key, index))
         self._memory.delete_block(meta.key)
+        self._memory_changed_locked(meta.key)

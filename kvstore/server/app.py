@@ -21,7 +21,8 @@ from grpc_reflection.v1alpha import reflection
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.config import StoreConfig
-from kvstore.events.publisher import Publisher, medium_of, open_publisher
+from kvstore.events.config import medium_of
+from kvstore.events.publisher import Publisher, open_publisher
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.rpc.channel import channel_options
 from kvstore.server.batch_wire import serialize_load_response

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import InvalidInputError
-from kvstore.events.publisher import EventsConfig
+from kvstore.events.config import EventsConfig
 from kvstore.rpc.channel import is_loopback
 
 

@@ -258,6 +258,10 @@ class TieredStore:
         self.index.watch(listener)
         return self.listed_blocks()
 
+    def keys_in_memory(self) -> set[bytes]:
+        """The keys of the blocks held whole in memory where memory caches a durable tier."""
+        return self.index.keys_in_memory()
+
     def listed_blocks(self) -> list[BlockMeta]:
         """The metadata of every listed block, parents before children."""
         nodes = sorted(self.tree.nodes(), key=lambda node: node.depth)

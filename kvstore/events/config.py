@@ -23,7 +23,7 @@ class EventsConfig:
         queue_size: block changes waiting to be published before news is dropped.
         replay_batches: published batches kept for replay.
         heartbeat_s: an empty batch after this many seconds without news.
-        medium: the tier label of the store's blocks (kvstore/events/publisher.py `medium_of`).
+        medium: the tier label of the store's blocks (`medium_of` below).
         high_water_mark: messages ZMQ keeps for one subscriber before it drops that
             subscriber's messages (it never blocks the publisher).
     """

@@ -15,7 +15,7 @@ prefix up to its end (routers match prefixes by following `parent_block_hash`):
 So two namespaces, or two models, never share a router hash even for equal tokens, while two
 stored blocks that share a parent and their first tokens share those router blocks (as a
 router's own hashes would): the publisher counts holders and removes a router block only when
-its last holder leaves (kvstore/events/publisher.py). The hashes
+its last holder leaves (kvstore/events/view.py). The hashes
 are kvsieve's own (a router matches on the token ids it is sent, not on these numbers); they
 are stable across restarts and processes, which is what a router needs to apply removals.
 """

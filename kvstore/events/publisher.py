@@ -19,9 +19,9 @@ What a subscriber sees:
   `replay_batches`; a sequence older than the buffer is answered with a snapshot (one batch
   starting with `AllBlocksCleared`, numbered as the newest published batch), never a hang.
 
-The publisher keeps the set of blocks it announced (references to their metadata, no copy), so
-it announces a block once however often it hears of it, and it can answer a replay with a
-snapshot that is exact at the sequence number it carries.
+What was announced is kept by a `RouterView` (kvstore/events/view.py: references to the blocks'
+metadata, no copy), which this thread alone touches: a snapshot it sends is exact at the
+sequence number it carries.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ document, its tail, the question and the answer fit the model's 8,192 positions.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -112,13 +113,24 @@ def _at_length(lm: Any, tokens: int, count: int, questions: Sequence[str]) -> di
                 for question in questions:
                     _question(lm, stores, document, question, prefix, records)
                 _continuation(lm, stores, document, following, records)
+                # a long run that is stopped keeps its figures so far (one JSON line per window)
+                print(
+                    json.dumps({"window": number + 1, **_figures(tokens, records)}),
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             for store in stores.values():
                 store.close()
-    out: dict[str, Any] = {f"windows_{tokens}": count, f"prefix_tokens_{tokens}": prefix}
-    for (method, budget, field), values in sorted(records.items()):
-        out[f"{field}_{method}_{tokens}_{_tag(budget)}"] = round(float(np.mean(values)), 4)
-    return out
+    return {f"windows_{tokens}": count, f"prefix_tokens_{tokens}": prefix} | _figures(tokens, records)
+
+
+def _figures(tokens: int, records: dict[tuple[str, float, str], list[float]]) -> dict[str, float]:
+    """The published keys: each figure's mean over windows (and questions)."""
+    return {
+        f"{field}_{method}_{tokens}_{_tag(budget)}": round(float(np.mean(values)), 4)
+        for (method, budget, field), values in sorted(records.items())
+    }
 
 
 def _question(

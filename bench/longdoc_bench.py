@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from bench.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
-from bench.texts import documents
+from bench.texts import stream_windows
 
 BLOCK = 256
 BUDGETS = (0.1, 0.25)
@@ -103,7 +103,9 @@ def _at_length(lm: Any, tokens: int, count: int, questions: Sequence[str]) -> di
             for method, layout in (("engine", "layered"), ("static", "importance"))
         }
         try:
-            for number, ids in enumerate(_windows(lm.tokenizer, prefix + max(TAILS) + CONTINUATION, count)):
+            for number, ids in enumerate(
+                stream_windows(lm.tokenizer, prefix + max(TAILS) + CONTINUATION, count)
+            ):
                 print(f"longdoc: {tokens} tokens, window {number + 1}/{count}", file=sys.stderr, flush=True)
                 tail = TAILS[number % len(TAILS)]
                 document = (head + ids)[: prefix + tail]
@@ -188,18 +190,6 @@ def _read_fraction(engine: Any, method: str, prefix: int) -> tuple[float, float]
     if report is not None or engine.last_load is None:
         raise RuntimeError(f"{method}: nothing was loaded from the store ({report})")
     return float(engine.last_load.read_fraction), 0.0
-
-
-def _windows(tokenizer: Any, length: int, count: int) -> list[list[int]]:
-    """`count` windows of `length` tokens from the license texts joined into one stream, spread
-    over it (a window may span two texts, as a long document of several sections does)."""
-    stream: list[int] = []
-    for _, text in documents():
-        stream += tokenizer.encode(text + "\n\n")
-    if len(stream) < length:
-        raise RuntimeError(f"the texts hold {len(stream)} tokens, fewer than one window of {length}")
-    starts = np.linspace(0, len(stream) - length, count).astype(int) if count > 1 else [0]
-    return [stream[s : s + length] for s in starts]
 
 
 def _add(

@@ -45,3 +45,18 @@ def token_windows(
             if len(out) == count:
                 return out
     return out
+
+
+def stream_windows(tokenizer: object, num_tokens: int, count: int) -> list[list[int]]:
+    """`count` windows of `num_tokens` tokens from all the texts joined into one stream, spread
+    over it: long documents (8k tokens) that no single license text is. A window may span two
+    texts, as a long document of several sections does."""
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    stream: list[int] = []
+    for _, text in documents():
+        stream += encode(text + "\n\n")
+    if len(stream) < num_tokens:
+        raise RuntimeError(f"the texts hold {len(stream)} tokens, fewer than one window of {num_tokens}")
+    last = len(stream) - num_tokens
+    starts = [last * i // max(count - 1, 1) for i in range(count)]
+    return [stream[s : s + num_tokens] for s in starts]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bench.cache import cold_seq_read_mb_s, make_cold
-from bench.texts import token_windows
+from bench.texts import stream_windows, token_windows
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 
@@ -90,8 +90,12 @@ def _question(lm: Any) -> list[int]:
 def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
     from engine_adapter.engine import Engine
 
-    windows = token_windows(lm.tokenizer, min(n, MAX_POSITIONS - QUESTION_TOKENS), repeats)
-    prompts = [ids + _question(lm) for _, ids in windows]
+    length = min(n, MAX_POSITIONS - QUESTION_TOKENS)
+    if n > 2048:  # no single text is this long: windows of all of them joined
+        documents = stream_windows(lm.tokenizer, length, repeats)
+    else:
+        documents = [ids for _, ids in token_windows(lm.tokenizer, length, repeats)]
+    prompts = [ids + _question(lm) for ids in documents]
     config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30)
     recompute, memory, disk, budget, suffix = [], [], [], [], []
     layered: list[tuple[float, float]] = []

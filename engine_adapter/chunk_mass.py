@@ -54,4 +54,4 @@ def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int, sca
     chunks = -(-n // chunk_tokens)
     if chunks * chunk_tokens != n:  # a partial last chunk: pad with tokens that weigh nothing
         weights = torch.nn.functional.pad(weights, (0, chunks * chunk_tokens - n))
-    return weights.view(chunks, chunk_tokens).sum(-1).double().numpy()
+    return weights.view(chunks, chunk_tokens).sum(-1).double().cpu().numpy()

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine_adapter.cache import cache_from
+from engine_adapter.cache import cache_from, cache_kwargs
 from engine_adapter.chunk_mass import chunk_mass
 from engine_adapter.device import copy_into_cache
 from importance.query_select import choose_by_mass
@@ -140,9 +140,11 @@ def layered_prefill(
         config.num_key_value_heads,
         getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads),
     )
-    dtype = next(model.parameters()).dtype
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device
     shape = (1, heads, chunks * chunk, dim)
-    cache = cache_from(config, [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    cache = cache_from(config, [(torch.zeros(shape, dtype=dtype, device=device),
+                                 torch.zeros(shape, dtype=dtype, device=device))
                                 for _ in range(config.num_hidden_layers)])  # fmt: skip
     filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids))
     handles = [
@@ -150,10 +152,9 @@ def layered_prefill(
     ]
     try:
         out = model(
-            input_ids=torch.tensor([list(new_ids)], dtype=torch.long),
-            position_ids=torch.arange(n, n + len(new_ids)).unsqueeze(0),
-            past_key_values=cache,
-            use_cache=True,
+            input_ids=torch.tensor([list(new_ids)], dtype=torch.long, device=device),
+            position_ids=torch.arange(n, n + len(new_ids), device=device).unsqueeze(0),
+            **cache_kwargs(model, cache),
         )
     finally:
         for handle in handles:
@@ -181,7 +182,7 @@ class _LayerFiller:
         queries = layer_queries(module, hidden, cos[:, last], sin[:, last])[0]
         approx = self.load.key_summary(layer)
         chunk = int(self.load.chunk_tokens)
-        mass = chunk_mass(queries, torch.from_numpy(approx), chunk, float(module.scaling))
+        mass = chunk_mass(queries, torch.from_numpy(approx).to(queries.device), chunk, float(module.scaling))
         chosen = choose_by_mass(mass, approx.shape[1], self.chunks, chunk_tokens=chunk)
         part = self.load.read_layer(layer, [int(c) for c in chosen])
         _check_slice(layer, part, chosen, int(self.load.chunk_tokens))

@@ -122,10 +122,14 @@ def test_open_layers_summaries_are_lowbit_of_the_stored_keys(layered: TieredStor
             got = load.key_summary(layer)
             assert got.dtype == np.float32 and got.shape == (TINY.num_kv_heads, N, TINY.head_dim)
             np.testing.assert_array_equal(got, np.concatenate(expected, axis=1))
-            # layers after it may be read ahead already (kvstore/load/ahead.py), never twice
-            assert (layer + 1) * 3 * one <= load.bytes_read <= load.summary_bytes
+            # later layers' summaries and layer-record headers may be read ahead already
+            # (kvstore/load/ahead.py), each once
+            headers = 3 * TINY.num_layers * header_bytes(B // C)
+            assert (layer + 1) * 3 * one <= load.bytes_read <= load.summary_bytes + headers
+        read = load.bytes_read
         load.key_summary(0)  # read once per layer
-        assert load.bytes_read == load.summary_bytes and load.delivered_tokens == 0
+        assert load.bytes_read == read and load.delivered_tokens == 0
+        assert read in (load.summary_bytes, load.summary_bytes + headers)  # headers: all or none
 
 
 def test_read_layer_returns_exactly_the_stored_kv(layered: TieredStore) -> None:
@@ -166,7 +170,10 @@ def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
             counters = store.stats().counters
             hits = counters[f"summary_hits.{expected_tier}"]  # + layers read ahead (ahead.py)
             assert hits >= 3 and hits % 3 == 0
-            assert counters[f"chunk_hits.{expected_tier}"] == 1
+            # the record read whole, + headers read ahead (from disk: never promoted)
+            assert counters[f"chunk_hits.{expected_tier}"] >= 1
+            assert store.memory.has_chunk(_metas(store, toks)[0].key, TINY.num_layers)
+        before = store.stats().counters["chunk_hits.lmdb"]
         for _ in range(2):  # one chunk of block 1: header and chunk ranges, never promoted
             with store.open_layers(toks, model=TINY) as load:
                 chunk_bytes = 2 * TINY.num_kv_heads * C * TINY.head_dim * 2
@@ -174,7 +181,7 @@ def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
                 assert load.bytes_read == header_bytes(B // C) + chunk_bytes
                 np.testing.assert_array_equal(load.read_layer(0, [6]).kv, kv[0][:, :, 48:56])
                 assert load.bytes_read == header_bytes(B // C) + 2 * chunk_bytes  # the header is kept
-        assert store.stats().counters["chunk_hits.lmdb"] == 1 + 2  # a hit per header read
+        assert store.stats().counters["chunk_hits.lmdb"] == before + 2  # a hit per header read
         assert not store.memory.has_chunk(_metas(store, toks)[1].key, TINY.num_layers)
 
 

@@ -129,13 +129,29 @@ class LocalLayeredLoad:
         if layer in self._summaries:
             return self._summaries[layer]
         if self._ahead is None and layer == 0 and self.num_layers > 1 and self._metas:
-            self._ahead = LayersAhead(self._decoded_summary, self.num_layers)
+            self._ahead = LayersAhead(self._read_ahead, self.num_layers)
         if self._ahead is not None and layer >= self._ahead_next:
             keys = self._ahead.get(layer)
             self._ahead_next = layer + 1
         else:
             keys = self._decoded_summary(layer)
         self._summaries = {layer: keys}
+        return keys
+
+    def _read_ahead(self, layer: int) -> Array:
+        """The reader thread's work for `layer`: its decoded summary, then every block's layer
+        record header (verified), so that `read_layer` reads only the chosen chunks' ranges. A
+        header that fails here is left for `read_layer` to read and report (only chosen blocks'
+        headers matter)."""
+        keys = self._decoded_summary(layer)
+        for block_index, meta in enumerate(self._metas):
+            if (block_index, layer) in self._headers or meta.chunks_per_layer <= 1:
+                continue
+            with contextlib.suppress(KVSieveError):
+                head = read_header(self._fetcher, meta, meta.record_index(layer, 0), self._model)
+                if head is not None:
+                    self._headers[(block_index, layer)] = head
+                    self._count_read(head.header.size)
         return keys
 
     def _decoded_summary(self, layer: int) -> Array:
@@ -247,7 +263,7 @@ class LocalLayeredLoad:
                 self._count_read(head.header.size)
             got = read_chunk_runs(fetcher, meta, index, head, mine)
             if got is None:
-                del self._headers[(block_index, layer)]
+                self._headers.pop((block_index, layer), None)
                 continue
             runs, nbytes = got
             self._count_read(nbytes)

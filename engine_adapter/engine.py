@@ -198,11 +198,12 @@ class Engine:
     def _prefill_layered(self, ids: Sequence[int], budget: Budget, timings: Timings) -> Prefill | None:
         """The layer-by-layer path (engine_adapter/layered_policy.py says when), or None.
 
-        A store error mid-pass abandons it: the prompt is recomputed without the store.
-        Only on the CPU for now: `layered_prefill` builds its cache and inputs there, so on
-        another device the prefix is loaded whole instead.
+        A store error mid-pass abandons it: the prompt is recomputed without the store. On a
+        device, `layered_prefill` builds its cache and inputs there and each layer's chosen
+        chunks go through the shared staging copier (`copy_into_cache`); a failed copy
+        (`StagingError`) abandons the pass the same way.
         """
-        if self.store is None or self.lm.device.type != "cpu":
+        if self.store is None:
             return None
         t0 = time.perf_counter()
         plan = plan_layered(self.store, ids, budget, model=self.lm.spec, namespace=self.namespace)
@@ -215,7 +216,7 @@ class Engine:
                 out = layered_prefill(
                     self.lm.model, plan.load, ids[matched:], plan.chunks, self.choose_with_last
                 )
-            except KVSieveError as exc:
+            except (KVSieveError, StagingError) as exc:
                 self.last_layered = LayeredReport(
                     matched, plan.load.chunk_tokens, plan.chunks, error=str(exc)
                 )

@@ -61,6 +61,7 @@ class World:
     sidecar: Sidecar
     a: DriverProcess
     logs: Path
+    events_endpoint: str  # process A's KV event stream (vLLM's ZMQ publisher)
 
     def stats(self) -> StoreStats:
         with KVClient(self.sidecar.address) as client:
@@ -87,6 +88,26 @@ def connector_config(address: str) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"store": address, "namespace": NAMESPACE, "retry_after_s": 600},
     }
+
+
+def events_config(endpoint: str) -> dict[str, Any]:
+    """vLLM's own KV events on a ZMQ PUB socket at `endpoint`."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+
+
+def storage_events(subscriber: Any, wanted: int, timeout_s: float = 30) -> list[Any]:
+    """`BlockStored` events on kvsieve's tier (medium STORAGE) read from vLLM's stream, until
+    `wanted` arrived or the stream stayed silent for `timeout_s`."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    found: list[Any] = []
+    while len(found) < wanted and subscriber.poll(timeout_s * 1000):
+        _topic, _seq, payload = subscriber.recv_multipart()
+        batch = decoder.decode(payload)
+        found += [e for e in batch.events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    return found
 
 
 def model_spec(world: World, kv_dtype: str) -> ModelSpec:
@@ -117,13 +138,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     sidecar = Sidecar(tmp / "data", args=["--block-tokens", "256", "--chunk-tokens", "16"]).start()
     # Both starts overlap: the baseline (no connector) and process A (connector).
     baseline_proc = DriverProcess(model, None, **driver_options(tmp, "baseline"))
-    a = DriverProcess(model, connector_config(sidecar.address), **driver_options(tmp, "a"))
+    events_endpoint = f"ipc://{tmp}/kv-events"
+    events = events_config(events_endpoint)
+    a = DriverProcess(
+        model, connector_config(sidecar.address), kv_events_config=events, **driver_options(tmp, "a")
+    )
     try:
         baseline_proc.wait_ready()
         baseline = baseline_proc.ask(prompts, MAX_TOKENS)["outputs"]
         assert baseline_proc.stop() == 0
         a.wait_ready()
-        yield World(model, prompts, baseline, sidecar, a, tmp)
+        yield World(model, prompts, baseline, sidecar, a, tmp, events_endpoint)
     finally:
         baseline_proc.stop(timeout_s=10)
         a.stop()
@@ -131,11 +156,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 def test_outputs_identical_with_and_without_connector_while_blocks_load(world: World) -> None:
+    import zmq
+
     prompts = world.prompts[:3]
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.connect(world.events_endpoint)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     first = world.a.ask(prompts, MAX_TOKENS)["outputs"]  # nothing cached yet: computed and stored
     stored = world.settled(3 * BLOCKS_PER_PROMPT)
     assert stored.get("blocks_written") == 3 * BLOCKS_PER_PROMPT
+    saved_events = storage_events(subscriber, 3)  # the saves, announced as the requests finished
     second = world.a.ask(prompts, MAX_TOKENS)["outputs"]  # loaded from the sidecar
+    hit_events = storage_events(subscriber, 3)  # the lookup hits, in vLLM's own stream
+    subscriber.close(linger=0)
+    whole = BLOCKS_PER_PROMPT * 256
+    assert sorted(e.token_ids for e in hit_events) == sorted(p[:whole] for p in prompts)
+    assert all(
+        len(e.block_hashes) * e.block_size == whole and e.parent_block_hash is None for e in hit_events
+    )
+    assert {tuple(e.block_hashes) for e in saved_events} == {tuple(e.block_hashes) for e in hit_events}
     loaded = world.stats()
     assert first == world.baseline[:3]
     assert second == world.baseline[:3]

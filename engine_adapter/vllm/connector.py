@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_adapter.vllm import layout
+from engine_adapter.vllm.events import HeldBlockEvents
 from engine_adapter.vllm.fingerprint import vllm_model_spec
 from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import RequestTracker, ScheduledRequest, StepPlan
@@ -32,7 +33,10 @@ from kvstore.client.kvclient import KVClient
 from kvstore.errors import InvalidInputError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -77,6 +81,7 @@ class KVSieveConnector(KVConnectorBase_V1):
         self.tracker = RequestTracker(self.block_size, s.block_tokens, loads=s.loads, saves=s.saves)
         self.worker = WorkerSide(self.client, self.spec, s.namespace, self.block_size, self.guard,
                                  s.save_queue_bytes, copy_timeout_s=s.timeout_s)  # fmt: skip
+        self.events = held_block_events(vllm_config, kv_cache_config, s) if scheduler else None
         logger.info("KVSieveConnector (%s) on %s, namespace %r, mode %s, model %s (%s), fingerprint %s",
                     role.name, s.store, s.namespace, s.mode, self.spec.name, self.spec.dtype,
                     self.spec.fingerprint.hex())  # fmt: skip
@@ -100,6 +105,8 @@ class KVSieveConnector(KVConnectorBase_V1):
                 # The last prompt token is always computed: its logits start the answer.
                 hit = self.guard.call("lookup", lambda: self._lookup(prompt[:-1]))
             self.tracker.on_lookup(req_id, prompt, hit)
+            if hit and self.events is not None:
+                self.events.announce(request, 0, hit // self.block_size)
         return self.tracker.loadable_tokens(req_id, num_computed_tokens), False
 
     def update_state_after_alloc(
@@ -114,8 +121,19 @@ class KVSieveConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its saves were copied out already, so vLLM may free its blocks now."""
+        saved = self.tracker.saved_span(request.request_id)
+        if saved is not None and self.events is not None:
+            # Announced once the save was queued, not once the sidecar acknowledged it (the worker
+            # cannot tell this process): a dropped save leaves a stale hint, costing a miss only.
+            start, end = saved
+            self.events.announce(request, start // self.block_size, end // self.block_size)
         self.tracker.forget(request.request_id)
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The `BlockStored` events for blocks kvsieve holds since the last call (vLLM publishes
+        them in its own stream, beside its GPU blocks' events)."""
+        return self.events.take() if self.events is not None else ()
 
     def _lookup(self, tokens: list[int]) -> int:
         result = self.client.lookup(tokens, model=self.spec, namespace=self.settings.namespace)
@@ -173,6 +191,21 @@ class KVSieveConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVSieveMetadata)
         return metadata.plan
+
+
+def held_block_events(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
+) -> HeldBlockEvents | None:
+    """The scheduler's event queue, or None where vLLM publishes no KV events (nothing would
+    read them) or the `kv_events` setting turns them off."""
+    events_config = vllm_config.kv_events_config
+    if not settings.kv_events or events_config is None or not events_config.enable_kv_cache_events:
+        return None
+    return HeldBlockEvents(
+        vllm_config.cache_config.block_size,
+        hash_block_size=kv_cache_config.hash_block_size,
+        capacity=settings.kv_events_queue,
+    )
 
 
 def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:

@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="local model directory")
     p.add_argument("--kv-transfer-config", default="", help="vLLM KVTransferConfig as JSON (empty: none)")
+    p.add_argument("--kv-events-config", default="", help="vLLM KVEventsConfig as JSON (empty: none)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--prefix-caching", action="store_true", help="enable vLLM's own prefix cache")
     p.add_argument("--eager", action="store_true", help="no torch.compile: starts in seconds, runs slower")
@@ -45,6 +46,10 @@ def build_llm(args: argparse.Namespace) -> Any:
         from vllm.config import KVTransferConfig
 
         extra["kv_transfer_config"] = KVTransferConfig(**json.loads(args.kv_transfer_config))
+    if args.kv_events_config:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     return LLM(
         model=args.model,
         max_model_len=args.max_model_len,
@@ -87,6 +92,7 @@ class DriverProcess:
     Args:
         model: local model directory.
         kv_transfer_config: vLLM's KVTransferConfig as a dict; None runs vLLM without a connector.
+        kv_events_config: vLLM's KVEventsConfig as a dict (KV events on a ZMQ socket); None: none.
         prefix_caching: enable vLLM's own prefix cache.
         eager: skip torch.compile (a start takes seconds instead of minutes; compute is slower).
         dtype: the model dtype ("auto", "float32", ...).
@@ -99,6 +105,7 @@ class DriverProcess:
         model: str | Path,
         kv_transfer_config: Mapping[str, Any] | None = None,
         *,
+        kv_events_config: Mapping[str, Any] | None = None,
         prefix_caching: bool = False,
         eager: bool = False,
         dtype: str = "auto",
@@ -110,6 +117,8 @@ class DriverProcess:
         cmd += ["--max-model-len", str(max_model_len)]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        if kv_events_config is not None:
+            cmd += ["--kv-events-config", json.dumps(dict(kv_events_config))]
         if prefix_caching:
             cmd.append("--prefix-caching")
         if eager:

@@ -67,6 +67,7 @@ class _Request:
     sidecar_up: bool  # False if the lookup failed: saving would fail too
     block_table: list[int] = field(default_factory=list)
     saved: bool = False
+    saved_end: int = 0  # end of the prefix a SaveOp sent (0: none)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,13 @@ class RequestTracker:
         self._pending_loads.clear()  # a load not scheduled this step is asked for again
         return StepPlan(tuple(loads), tuple(saves))
 
+    def saved_span(self, req_id: str) -> tuple[int, int] | None:
+        """Token positions [start, end) that a SaveOp of this request sent; None if none did."""
+        request = self._requests.get(req_id)
+        if request is None or not request.saved_end:
+            return None
+        return request.sidecar_tokens, request.saved_end
+
     def forget(self, req_id: str) -> None:
         """The request finished: drop its state."""
         self._requests.pop(req_id, None)
@@ -173,6 +181,7 @@ class RequestTracker:
         full = len(request.prompt) // self.kvsieve_block_tokens * self.kvsieve_block_tokens
         if full <= request.sidecar_tokens:
             return None  # no new whole block: nothing to send
+        request.saved_end = full
         blocks = -(-full // self.vllm_block_size)
         return SaveOp(
             item.req_id,

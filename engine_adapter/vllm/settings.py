@@ -37,6 +37,12 @@ class ConnectorSettings:
         save_queue_bytes: bound on the KV copies waiting for the background sender, in
             bytes; a save that does not fit is dropped (counted), never waited for.
             At shutdown the queue gets `timeout_s` to drain.
+        kv_events: add `BlockStored` events (medium `STORAGE`) for the blocks kvsieve holds to
+            vLLM's own KV event stream. Takes effect only where vLLM publishes KV events
+            (`--kv-events-config '{"enable_kv_cache_events": true, ...}'`); false keeps vLLM's
+            stream to its GPU blocks.
+        kv_events_queue: bound on events waiting for vLLM to drain them (every step); past it
+            the oldest are dropped and counted.
     """
 
     store: str = "127.0.0.1:50051"
@@ -49,6 +55,8 @@ class ConnectorSettings:
     block_tokens: int = 256
     use_shm: bool = True
     save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
+    kv_events: bool = True
+    kv_events_queue: int = 10_000
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not (self.store.startswith("unix:") or ":" in self.store):
@@ -71,6 +79,13 @@ class ConnectorSettings:
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 40:
             raise InvalidInputError(
                 f"kvsieve save_queue_bytes must be an int of bytes in [1, 2**40], got {size!r}"
+            )
+        if not isinstance(self.kv_events, bool):
+            raise InvalidInputError(f"kvsieve kv_events must be true or false, got {self.kv_events!r}")
+        cap = self.kv_events_queue
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= 10_000_000:
+            raise InvalidInputError(
+                f"kvsieve kv_events_queue must be an int of events in [1, 10000000], got {cap!r}"
             )
 
     @property

@@ -92,9 +92,11 @@ def test_batched_rows_run_their_own_selection(lm: Any, prefix: Any) -> None:
         plans = [MaskPlan(PREFIX, 4, chooser(m, state, FixedBudget(0.25), QAConfig())) for m in methods]
         batched = forward(lm, pairs, new, list(plans))
         alone = [forward(lm, pairs, new, [MaskPlan(PREFIX, 4, p.choose)])[0] for p in plans]
+    # float32 noise only: logits reach ~20 and a batch of 3 runs other matmul kernels than a
+    # batch of 1 (2e-4 seen); a row that ran another row's selection differs by far more
     for row, single in zip(batched, alone, strict=True):
-        assert (row - single).abs().max() < 1e-4
-    assert (batched[0] - batched[1]).abs().max() > 1e-3
+        assert (row - single).abs().max() < 1e-3
+    assert (batched[0] - batched[1]).abs().max() > 1e-2
 
 
 def test_per_kv_head_rows_map_to_their_query_heads(lm: Any, prefix: Any) -> None:

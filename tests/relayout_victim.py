@@ -1,8 +1,10 @@
 """Helper for test_relayout.py: run the re-layout job until killed, saying after each block.
 
 It prints "ready" before the job starts and "block" after each block's rewrite is
-complete (both transactions committed), so the test can kill it after a chosen
-number of blocks, with work still to do, and know how far it got.
+complete (both transactions committed), then waits for a line on stdin before the next
+block: the test paces it, so that however slow the test's own process is (a loaded CI
+machine), the job is killed after a chosen number of blocks, with work still to do, and
+the test knows how far it got.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ _drop_layout = LmdbTier.drop_layout
 def _drop_layout_and_say(self: LmdbTier, old: BlockMeta) -> None:
     _drop_layout(self, old)
     print("block", flush=True)
+    sys.stdin.readline()  # "go": the test lets the next block start
 
 
 if __name__ == "__main__":

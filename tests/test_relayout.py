@@ -113,15 +113,19 @@ def test_relayout_killed_at_random_moments_stays_consistent(tmp_path: Path) -> N
                     store.report_scores(tokens, scores, model=TINY)
         before = layout_versions(tmp_path)
         victim = [sys.executable, str(Path(__file__).parent / "relayout_victim.py"), str(tmp_path)]
-        proc = subprocess.Popen(victim, stdout=subprocess.PIPE, text=True, env=env)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        finished = rng.randint(0, 12)  # of 36 blocks: the rest (~20 ms each) is still to do
-        for _ in range(finished):
+        proc = subprocess.Popen(victim, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        finished = rng.randint(0, 12)  # of 36 blocks: the rest is still to do
+        for _ in range(finished):  # the victim waits for a "go" after each block
             assert proc.stdout.readline().strip() == "block"
-        time.sleep(rng.uniform(0.0, 0.01))  # land anywhere inside the next block's rewrite
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        time.sleep(rng.uniform(0.0, 0.01))  # land anywhere inside the next block's rewrite (~20 ms)
         proc.send_signal(signal.SIGKILL)
         rest = proc.stdout.read()
         assert proc.wait() == -signal.SIGKILL and "done" not in rest  # killed mid-job
+        proc.stdin.close()
         after = layout_versions(tmp_path)
         moved = sum(after[key] != version for key, version in before.items())
         assert finished <= moved < PROMPTS * 3  # the blocks it said it finished, and not all of them

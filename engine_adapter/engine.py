@@ -32,6 +32,7 @@ from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose
 from engine_adapter.layered_policy import plan_layered
 from engine_adapter.model import LoadedModel
 from engine_adapter.sampling import Sampling
+from engine_adapter.topup import DecodeTopUp, TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.errors import KVSieveError
@@ -65,6 +66,8 @@ class Prefill:
     #: Completes the store of the new blocks (their KV on its way off the device):
     #: `Engine.finish_store` calls it once the answer is decoded.
     pending_store: Callable[[], int] | None = None
+    #: The decode-time top-up of a layer-by-layer prefill (engine_adapter/topup.py), holding its load.
+    topup: DecodeTopUp | None = None
 
 
 class Loaded(NamedTuple):
@@ -106,6 +109,8 @@ class Engine:
             tail: engine_adapter/layered.py `CHOOSE_WITH_LAST`); None = every new token's.
         transfer: how loaded KV reaches the model's device (default: `KVTransfer` for
             the model's device: staged async copies on CUDA, today's conversion on CPU).
+        topup: after a layer-by-layer prefill, fetch the chunks each decode token needs
+            (engine_adapter/topup.py); None = off.
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class Engine:
         collect_stats: bool = True,
         choose_with_last: int | None = CHOOSE_WITH_LAST,
         transfer: KVTransfer | None = None,
+        topup: TopUpSettings | None = TopUpSettings(),  # noqa: B008 (frozen: one shared default is safe)
     ) -> None:
         self.lm = lm
         self.transfer = transfer if transfer is not None else KVTransfer(lm.device)
@@ -124,6 +130,7 @@ class Engine:
         self.collect_stats = collect_stats
         check_choose_with_last(choose_with_last)  # here, not as a fallback mid-request
         self.choose_with_last = choose_with_last
+        self.topup = topup
         #: Chat turns as token ids, from the tokenizer's chat template (the DSL's messages too).
         self.chat = ChatFormat(lm.tokenizer)
         #: The last prefill's load stream (closed): what its budget delivered and read.
@@ -151,6 +158,9 @@ class Engine:
         """Compute the prompt, reusing cached prefix KV; stores and reports as described above."""
         state = self._prefill(ids, budget)
         self.finish_store(state)
+        if state.topup is not None:  # no decode here goes through the top-up's hooks
+            state.topup.close()
+            state.topup = None
         return state
 
     def _prefill(self, ids: Sequence[int], budget: Budget) -> Prefill:
@@ -211,23 +221,29 @@ class Engine:
             return None
         timings.lookup_s = time.perf_counter() - t0
         matched = int(plan.load.matched_tokens)
-        with plan.load:
-            try:
-                out = layered_prefill(
-                    self.lm.model, plan.load, ids[matched:], plan.chunks, self.choose_with_last
-                )
-            except (KVSieveError, StagingError) as exc:
-                self.last_layered = LayeredReport(
-                    matched, plan.load.chunk_tokens, plan.chunks, error=str(exc)
-                )
-                return self._recompute(ids, timings)
+        try:  # the load stays open for the top-up, which then owns it
+            out = layered_prefill(
+                self.lm.model, plan.load, ids[matched:], plan.chunks, self.choose_with_last,
+                keep_summaries=self.topup is not None,
+            )  # fmt: skip
+        except (KVSieveError, StagingError) as exc:
+            plan.load.close()
+            self.last_layered = LayeredReport(matched, plan.load.chunk_tokens, plan.chunks, error=str(exc))
+            return self._recompute(ids, timings)
+        except BaseException:
+            plan.load.close()
+            raise
+        topup = None if self.topup is None else DecodeTopUp(plan.load, out, self.topup)
+        if topup is None:
+            plan.load.close()
         self.last_layered = out.report
         timings.load_s = out.report.load_s
         timings.prefill_s = time.perf_counter() - t0 - timings.lookup_s - out.report.load_s
         loaded = plan.chunks * plan.load.chunk_tokens  # per layer; never stored (an approximation)
         return Prefill(
-            out.cache, out.logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings
-        )
+            out.cache, out.logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings,
+            topup=topup,
+        )  # fmt: skip
 
     def _recompute(self, ids: Sequence[int], timings: Timings) -> Prefill:
         """The whole prompt computed, nothing loaded, its new blocks stored (after a failed layered load)."""
@@ -372,7 +388,8 @@ class Engine:
         ids = self.encode(prompt)
         state = self._prefill(ids, budget)
         t0 = time.perf_counter()
-        tokens, text, reason = self._decode(state, sampling)
+        with decoding(self.lm.model, state.topup):
+            tokens, text, reason = self._decode(state, sampling)
         state.timings.decode_s = time.perf_counter() - t0
         self.finish_store(state)  # its copy off the device ran while the answer was decoded
         return GenerateResult(
@@ -450,11 +467,18 @@ class Engine:
     ) -> torch.Tensor:
         """Logits predicting each token of `continuation` after `prefix` (teacher forcing).
 
-        Row i predicts continuation[i]. Used to measure the quality of partial loads.
+        Row i predicts continuation[i]. Used to measure the quality of partial loads. With a
+        top-up, one token at a time, as `generate` decodes (each token's fetches seen by it on).
         """
-        state = self.prefill(prefix, budget)
-        rest = self._forward(continuation[:-1], state.next_position, state.cache, None)[0]
-        return torch.cat([state.logits.unsqueeze(0), rest], dim=0)
+        state = self._prefill(prefix, budget)
+        self.finish_store(state)
+        rows, start, model = [state.logits.unsqueeze(0)], state.next_position, self.lm.model
+        with decoding(model, state.topup):
+            steps = [continuation[:-1]] if state.topup is None else [[t] for t in continuation[:-1]]
+            for step in (s for s in steps if len(s)):
+                rows.append(self._forward(step, start, state.cache, None)[0])
+                start += len(step)
+        return torch.cat(rows, dim=0)
 
 
 def _batch_result(answer: Completion, prompt_tokens: int, timings: Timings) -> GenerateResult:

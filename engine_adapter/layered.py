@@ -15,7 +15,8 @@ true positions (keys are stored post-RoPE); the new tokens get theirs explicitly
 
 The resulting cache holds different tokens per layer: an approximation of the
 prefix, never to be stored. A store error mid-pass propagates (the engine then
-recomputes the prompt: no partial KV is used).
+recomputes the prompt: no partial KV is used). With `keep_summaries` the decoded key
+summaries stay in the result, for the decode-time top-up (engine_adapter/topup.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class LayeredReport:
         query_tokens: the last new tokens whose queries chose the chunks (<= new_tokens).
         load_s: seconds spent scoring and reading inside the forward pass.
         error: why the load was abandoned (the prompt was recomputed); "" if it was not.
+        topup_chunks: chunks fetched during decoding (engine_adapter/topup.py), over all layers;
+            their bytes are in `bytes_read` and `read_fraction`, their tokens in `delivered_fraction`.
+        topup_bytes: bytes those chunks read.
+        topup_steps: decode steps that fetched at least one chunk.
+        topup_s: seconds spent scoring, reading and inserting during decoding.
+        topup_error: why the top-up stopped (a store error; the answer went on without it).
     """
 
     matched_tokens: int
@@ -77,14 +84,21 @@ class LayeredReport:
     query_tokens: int = 0
     load_s: float = 0.0
     error: str = ""
+    topup_chunks: int = 0
+    topup_bytes: int = 0
+    topup_steps: int = 0
+    topup_s: float = 0.0
+    topup_error: str = ""
 
 
 class LayeredPrefill(NamedTuple):
-    """Logits of the new tokens (1, new, vocab), the cache after them, and the load's report."""
+    """Logits of the new tokens (1, new, vocab), the cache after them, the load's report, and
+    (with `keep_summaries`) each layer's decoded key summary as scored, on the model's device."""
 
     logits: torch.Tensor
     cache: Any
     report: LayeredReport
+    summaries: dict[int, torch.Tensor]
 
 
 def layer_queries(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,6 +125,7 @@ def layered_prefill(
     new_ids: Sequence[int],
     chunks: int,
     choose_with_last: int | None = CHOOSE_WITH_LAST,
+    keep_summaries: bool = False,
 ) -> LayeredPrefill:
     """Compute `new_ids` (at positions matched_tokens..) over `chunks` chosen chunks per layer.
 
@@ -121,6 +136,8 @@ def layered_prefill(
         chunks: chunks to read in every layer, in [1, matched_tokens / chunk_tokens].
         choose_with_last: the last this many new tokens' queries choose (all of them when
             fewer); None = every new token's.
+        keep_summaries: keep every layer's decoded summary (`LayeredPrefill.summaries`): the
+            decode-time top-up scores with them instead of reading them again.
 
     Raises:
         InvalidInputError: no new tokens, a prefix not a whole number of chunks, a bad
@@ -146,7 +163,7 @@ def layered_prefill(
     cache = cache_from(config, [(torch.zeros(shape, dtype=dtype, device=device),
                                  torch.zeros(shape, dtype=dtype, device=device))
                                 for _ in range(config.num_hidden_layers)])  # fmt: skip
-    filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids))
+    filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids), keep_summaries)
     handles = [
         layer.self_attn.register_forward_pre_hook(filler, with_kwargs=True) for layer in model.model.layers
     ]
@@ -159,18 +176,21 @@ def layered_prefill(
     finally:
         for handle in handles:
             handle.remove()
-    return LayeredPrefill(out.logits, cache, filler.report())
+    return LayeredPrefill(out.logits, cache, filler.report(), filler.summaries)
 
 
 class _LayerFiller:
     """The forward pre-hook: choose, read and install one layer's chunks before its attention."""
 
     def __init__(
-        self, load: LayeredLoad, cache: Any, chunks: int, query_tokens: int, new_tokens: int
-    ) -> None:
+        self, load: LayeredLoad, cache: Any, chunks: int, query_tokens: int, new_tokens: int,
+        keep_summaries: bool = False,
+    ) -> None:  # fmt: skip
         self.load, self.cache, self.chunks = load, cache, chunks
         self.query_tokens, self.new_tokens = query_tokens, new_tokens
+        self.keep_summaries = keep_summaries
         self.chosen: dict[int, Array] = {}
+        self.summaries: dict[int, torch.Tensor] = {}
         self.load_s = 0.0
 
     def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -182,10 +202,13 @@ class _LayerFiller:
         queries = layer_queries(module, hidden, cos[:, last], sin[:, last])[0]
         approx = self.load.key_summary(layer)
         chunk = int(self.load.chunk_tokens)
-        mass = chunk_mass(queries, torch.from_numpy(approx).to(queries.device), chunk, float(module.scaling))
+        summary = torch.from_numpy(approx).to(queries.device)  # on the CPU: a view, no copy
+        mass = chunk_mass(queries, summary, chunk, float(module.scaling))
+        if self.keep_summaries:
+            self.summaries[layer] = summary
         chosen = choose_by_mass(mass, approx.shape[1], self.chunks, chunk_tokens=chunk)
         part = self.load.read_layer(layer, [int(c) for c in chosen])
-        _check_slice(layer, part, chosen, int(self.load.chunk_tokens))
+        check_slice(layer, part, chosen, int(self.load.chunk_tokens))
         # In place (the mask stays valid); on CUDA through pinned staging on the copy stream.
         copy_into_cache(self.cache.layers[layer], part.kv)
         self.chosen[layer] = chosen
@@ -207,7 +230,7 @@ def chunk_positions(chosen: Array, chunk_tokens: int) -> Array:
     return (chosen[:, None] * chunk_tokens + np.arange(chunk_tokens)[None, :]).reshape(-1)
 
 
-def _check_slice(layer: int, part: LayerSlice, chosen: Array, chunk_tokens: int) -> None:
+def check_slice(layer: int, part: LayerSlice, chosen: Array, chunk_tokens: int) -> None:
     """A load that delivers other tokens than the chosen chunks' must not be used."""
     expected = chunk_positions(chosen, chunk_tokens)
     positions = np.asarray(part.positions)

@@ -90,6 +90,11 @@ class LayeredReport:
     topup_s: float = 0.0
     topup_error: str = ""
 
+    @property
+    def topup_fraction(self) -> float:
+        """The top-up's bytes / the prefix's bytes (part of `read_fraction`)."""
+        return self.topup_bytes * self.read_fraction / self.bytes_read if self.bytes_read else 0.0
+
 
 class LayeredPrefill(NamedTuple):
     """Logits of the new tokens (1, new, vocab), the cache after them, the load's report, and

@@ -9,9 +9,12 @@ teacher-forced under each method and budget:
 
 - `engine`: the product's query-aware path: a store in the layered layout, each
   layer's chunks chosen inside the forward pass by the question's queries
-  (engine_adapter/layered.py). Its bytes read count its key summaries. Below the
-  smallest budget the path takes (`MIN_LAYERED_FRACTION`, 0.2) the engine reads the
-  layered store in the static order; `layered_path_…` says which share took the path.
+  (engine_adapter/layered.py), then the decode-time top-up (engine_adapter/topup.py):
+  the answer is teacher-forced one token at a time and each token fetches the missing
+  chunks its query needs. Its bytes read count its key summaries and top-ups
+  (`topup_fraction_…`: the top-up's share). Below the smallest budget the path takes
+  (`MIN_LAYERED_FRACTION`, 0.2) the engine reads the layered store in the static order;
+  `layered_path_…` says which share took the path.
 - `static`: a store in the importance layout: every block's most important tokens
   (prefill attention), the same for every question.
 
@@ -162,6 +165,9 @@ def _question(
             _add(records, method, budget, "read_fraction", read)
             if method == "engine":
                 _add(records, method, budget, "layered_path", layered)
+                report = engine.last_layered
+                topup = report.topup_fraction if layered and report is not None else 0.0
+                _add(records, method, budget, "topup_fraction", topup)
 
 
 def _continuation(
@@ -180,7 +186,7 @@ def _continuation(
 
 def _read_fraction(engine: Any, method: str, prefix: int) -> tuple[float, float]:
     """(bytes read / the prefix's bytes, 1.0 if the layered path was taken else 0.0), as the load
-    reports them (the layered path counts its key summaries). Below its smallest budget
+    reports them (the layered path counts its key summaries and top-ups). Below its smallest budget
     (engine_adapter/layered_policy.py) the engine reads a layered store in the static order."""
     report = engine.last_layered
     if report is not None and not report.error:

@@ -13,7 +13,8 @@ bytes read as a fraction of the prefix's (summaries and top-ups counted). Rows:
 - `engine`: the shipped default (`Engine(lm, store)`: K = 16, top-up at THETA within CAP,
   engine_adapter/topup.py); the answer is teacher-forced one token at a time, each token's
   fetches seen by it and every later one, as `generate` decodes;
-- `topup_<theta>`: the top-up at other thresholds (same cap).
+- `topup_<theta>`: the top-up at other thresholds (same cap);
+- `no_topup_<budget>`: no top-up, at a larger budget (the top-up's extra bytes spent up front).
 
     .venv/bin/python -m bench.quality_engine --windows 6 [--rows last16,engine,topup_0_05]
 """
@@ -40,15 +41,19 @@ TAILS = (40, 120, 200)
 CHOICES: tuple[int | None, ...] = (None, 32, 16, 8)
 #: Top-up thresholds measured beside the shipped one (`topup_<theta>` rows).
 THETAS = (0.01, 0.05)
+#: Budgets of the `no_topup_<budget>` rows: about the shipped top-up's bytes read (0.28 measured).
+PLAIN_BUDGETS = (0.28,)
 
 
 def rows() -> dict[str, dict[str, Any]]:
-    """Every row's name and the `Engine` keyword arguments that make it ({} = the shipped default)."""
+    """Every row's name and the `Engine` keyword arguments that make it ({} = the shipped default),
+    with the budget where a row has its own."""
     from engine_adapter.topup import TopUpSettings
 
     out: dict[str, dict[str, Any]] = {_tag(k): {"choose_with_last": k, "topup": None} for k in CHOICES}
     out["engine"] = {}
     out |= {f"topup_{_number(t)}": {"topup": TopUpSettings(theta=t)} for t in THETAS}
+    out |= {f"no_topup_{_number(b)}": {"topup": None, "budget": b} for b in PLAIN_BUDGETS}
     return out
 
 
@@ -119,9 +124,11 @@ def _answer(
     if answer.matched_tokens != PREFIX:
         raise RuntimeError(f"matched {answer.matched_tokens} tokens, expected {PREFIX}")
     reference = full.continuation_logits(prompt, answer.token_ids, budget=1.0).float()
-    for name, kwargs in jobs.items():
+    for name, job in jobs.items():
+        kwargs = {key: value for key, value in job.items() if key != "budget"}
         engine = engine_cls(lm, store, **kwargs)
-        logits = engine.continuation_logits(prompt, answer.token_ids, budget=BUDGET).float()
+        budget = job.get("budget", BUDGET)
+        logits = engine.continuation_logits(prompt, answer.token_ids, budget=budget).float()
         report = engine.last_layered
         if report is None or report.error or report.matched_tokens != PREFIX:
             raise RuntimeError(f"{name}: the layered path was not taken ({report})")

@@ -81,6 +81,11 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
         f"(the question, not the document's uncached tail); 'all' = every new token (default {choose})",
     )  # fmt: skip
     p.add_argument(
+        "--no-topup", action="store_true",
+        help="after a layer-by-layer prefill, do not fetch the chunks each answer token needs "
+        "(engine_adapter/topup.py; on by default)",
+    )  # fmt: skip
+    p.add_argument(
         "--coverage", type=_fraction_arg, default=None,
         help=f"with --budget auto: attention mass to cover, (0, 1] (default {AutoBudget().coverage})",
     )  # fmt: skip
@@ -169,7 +174,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=resolve_device(args.device))
     store = _open_store(args)
     try:
-        engine = Engine(lm, store, namespace=args.namespace, choose_with_last=args.choose_with_last)
+        engine = Engine(
+            lm, store, namespace=args.namespace, choose_with_last=args.choose_with_last,
+            topup=None if args.no_topup else parameter_default(Engine, "topup"),
+        )  # fmt: skip
         result = engine.generate(messages, sampling, budget=budget)
     finally:
         if store is not None:
@@ -236,7 +244,14 @@ def _print_layered(report: LayeredReport | None) -> None:
         f"layer by layer: {report.chunks_per_layer} chunks of {report.chunk_tokens} tokens per layer chosen "
         f"by the queries of the last {report.query_tokens} of {report.new_tokens} new tokens; "
         f"delivered {report.delivered_fraction:.1%} of the cached prefix's tokens, "
-        f"read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%})",
+        f"read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%}, "
+        f"top-up {report.topup_fraction:.1%})",
+        file=sys.stderr,
+    )
+    stopped = f"; stopped: {report.topup_error}" if report.topup_error else ""
+    print(
+        f"top-up while decoding: {report.topup_chunks} chunks, {report.topup_bytes} bytes, "
+        f"in {report.topup_steps} steps ({report.topup_s * 1e3:.0f} ms){stopped}",
         file=sys.stderr,
     )
 

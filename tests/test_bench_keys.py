@@ -56,7 +56,7 @@ PUBLISHED = {
         for method in ("engine", "static")
         for tag in ("0_1", "0_25")
     )
-    + " layered_path_engine_1024_0_25",
+    + " layered_path_engine_1024_0_25 topup_fraction_engine_1024_0_25",
     "gpu": "cuda_available cpu_bare_copy_gb_s cpu_staged_copy_gb_s cpu_staged_vs_bare "
     "cpu_pool_allocations_after_warmup",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "

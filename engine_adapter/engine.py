@@ -7,7 +7,8 @@ builds the cache from the loaded chunks at their true positions, computes only
 the new tokens, stores the new full blocks with their prefill scores, reports
 how the new tokens attended to the prefix, then decodes. A request with new
 tokens at a partial budget may instead load the prefix layer by layer, each
-layer's chunks chosen by those tokens' queries (engine_adapter/layered.py).
+layer's chunks chosen by those tokens' queries (engine_adapter/layered.py), and then, while
+decoding, fetch the chunks each answer token needs (engine_adapter/topup.py).
 """
 
 from __future__ import annotations

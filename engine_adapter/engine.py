@@ -9,76 +9,36 @@ how the new tokens attended to the prefix, then decodes. A request with new
 tokens at a partial budget may instead load the prefix layer by layer, each
 layer's chunks chosen by those tokens' queries (engine_adapter/layered.py), and then, while
 decoding, fetch the chunks each answer token needs (engine_adapter/topup.py).
+
+`Engine` is the facade: the prefill paths live in engine_adapter/prefill.py, the
+decode loops and the scoring here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine_adapter.attention import AttentionStats
 from engine_adapter.batch import left_pad, padding_mask
-from engine_adapter.cache import cache_from, cache_kwargs
+from engine_adapter.cache import cache_kwargs
 from engine_adapter.chat import ChatFormat
 from engine_adapter.decode import Completion, Sampler
-from engine_adapter.device import KVTransfer, LayerUpload
-from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last, layered_prefill
-from engine_adapter.layered_policy import plan_layered
+from engine_adapter.device import KVTransfer
+from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last
 from engine_adapter.model import LoadedModel
+from engine_adapter.prefill import Prefill, Timings, forward, prefill_layered, prefill_static
 from engine_adapter.sampling import Sampling
-from engine_adapter.topup import DecodeTopUp, TopUpSettings, decoding
+from engine_adapter.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
-from kvstore.errors import KVSieveError
-from kvstore.load.buffers import StagingError
 
 Messages = Sequence[dict[str, str]]
-
-
-@dataclass
-class Timings:
-    """Seconds spent in each phase of one request."""
-
-    lookup_s: float = 0.0
-    load_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-
-@dataclass
-class Prefill:
-    """State after the prompt: the cache, the logits of its last token, and what was reused."""
-
-    cache: Any
-    logits: torch.Tensor
-    next_position: int
-    matched_tokens: int = 0
-    loaded_tokens: int = 0
-    computed_tokens: int = 0
-    stored_blocks: int = 0
-    timings: Timings = field(default_factory=Timings)
-    #: Completes the store of the new blocks (their KV on its way off the device):
-    #: `Engine.finish_store` calls it once the answer is decoded.
-    pending_store: Callable[[], int] | None = None
-    #: The decode-time top-up of a layer-by-layer prefill (engine_adapter/topup.py), holding its load.
-    topup: DecodeTopUp | None = None
-
-
-class Loaded(NamedTuple):
-    """A prefix loaded for prefill: its tokens' positions, the cache, the prefix length covered,
-    and its copy to the device (None when the cache already holds it)."""
-
-    positions: Any
-    cache: Any
-    covered: int
-    upload: LayerUpload | None = None
 
 
 @dataclass(frozen=True)
@@ -165,146 +125,22 @@ class Engine:
         return state
 
     def _prefill(self, ids: Sequence[int], budget: Budget) -> Prefill:
-        """`prefill`, its store possibly still pending (`Prefill.pending_store`)."""
+        """`prefill`, its store possibly still pending (`Prefill.pending_store`).
+
+        The paths themselves are engine_adapter/prefill.py's: layer by layer when its
+        policy says so, else the prefix loaded in one call.
+        """
         timings = Timings()
         self.last_load = self.last_layered = None
         self.transfer.last_error = ""
-        if (layered := self._prefill_layered(ids, budget, timings)) is not None:
+        if (layered := prefill_layered(self, ids, budget, timings)) is not None:
             return layered
-        return self._prefill_static(ids, budget, timings)
+        return prefill_static(self, ids, budget, timings)
 
     def finish_store(self, state: Prefill) -> None:
         """Complete `state`'s pending store (waits for its copy off the device), if any."""
         if state.pending_store is not None:
             state.stored_blocks, state.pending_store = state.pending_store(), None
-
-    def _prefill_static(
-        self, ids: Sequence[int], budget: Budget, timings: Timings, reuse: bool = True
-    ) -> Prefill:
-        """Load the prefix in one call (if `reuse`), compute the rest, store and report.
-
-        A copy to the device that fails (out of memory, a CUDA error) abandons the
-        loaded prefix: the prompt is recomputed (`transfer.last_error` says why).
-        """
-        try:
-            positions, cache, matched, upload = self._load(ids, budget if reuse else None, timings)
-            loaded = len(positions)
-            stats = AttentionStats(loaded, self.lm.spec.num_layers) if self.collect_stats else None
-            t0 = time.perf_counter()
-            with upload.attached(self.lm.model) if upload is not None else contextlib.nullcontext():
-                logits = self._forward(ids[matched:], matched, cache, stats)
-        except StagingError as exc:
-            if not reuse:
-                raise
-            self.transfer.last_error = str(exc)
-            return self._recompute(ids, timings)
-        timings.prefill_s = time.perf_counter() - t0
-        state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
-        if loaded == matched:  # KV computed over a partial prefix is approximate: never store it
-            state.pending_store = self._store_new(ids, matched, cache, stats)
-            if stats is not None and matched:
-                self._report(ids[:matched], stats)
-        return state
-
-    def _prefill_layered(self, ids: Sequence[int], budget: Budget, timings: Timings) -> Prefill | None:
-        """The layer-by-layer path (engine_adapter/layered_policy.py says when), or None.
-
-        A store error mid-pass abandons it: the prompt is recomputed without the store. On a
-        device, `layered_prefill` builds its cache and inputs there and each layer's chosen
-        chunks go through the shared staging copier (`copy_into_cache`); a failed copy
-        (`StagingError`) abandons the pass the same way.
-        """
-        if self.store is None:
-            return None
-        t0 = time.perf_counter()
-        plan = plan_layered(self.store, ids, budget, model=self.lm.spec, namespace=self.namespace)
-        if plan is None:
-            return None
-        timings.lookup_s = time.perf_counter() - t0
-        matched = int(plan.load.matched_tokens)
-        try:  # the load stays open for the top-up, which then owns it
-            out = layered_prefill(
-                self.lm.model, plan.load, ids[matched:], plan.chunks, self.choose_with_last,
-                keep_summaries=self.topup is not None,
-            )  # fmt: skip
-        except (KVSieveError, StagingError) as exc:
-            plan.load.close()
-            self.last_layered = LayeredReport(matched, plan.load.chunk_tokens, plan.chunks, error=str(exc))
-            return self._recompute(ids, timings)
-        except BaseException:
-            plan.load.close()
-            raise
-        topup = None if self.topup is None else DecodeTopUp(plan.load, out, self.topup)
-        if topup is None:
-            plan.load.close()
-        self.last_layered = out.report
-        timings.load_s = out.report.load_s
-        timings.prefill_s = time.perf_counter() - t0 - timings.lookup_s - out.report.load_s
-        loaded = plan.chunks * plan.load.chunk_tokens  # per layer; never stored (an approximation)
-        return Prefill(
-            out.cache, out.logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings,
-            topup=topup,
-        )  # fmt: skip
-
-    def _recompute(self, ids: Sequence[int], timings: Timings) -> Prefill:
-        """The whole prompt computed, nothing loaded, its new blocks stored (after a failed layered load)."""
-        return self._prefill_static(ids, 1.0, timings, reuse=False)
-
-    def _load(self, ids: Sequence[int], budget: Budget | None, timings: Timings) -> Loaded:
-        """The loaded prefix: positions of its tokens, the cache holding them, prefix length covered.
-
-        With `budget` None nothing is loaded (the whole prompt is computed).
-
-        One Load call: its header answers what a Lookup would (the matched prefix),
-        so no separate round trip. At least the last token is computed: its logits
-        start the answer. With a staged transfer (CUDA) the cache's tensors are filled
-        layer by layer during the forward pass (`Loaded.upload`).
-        """
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.lm.model.config)
-        if self.store is None or budget is None or len(ids) < 2:
-            return Loaded(np.zeros(0, np.int64), cache, 0)
-        t0 = time.perf_counter()
-        stream = self.store.load(ids[:-1], model=self.lm.spec, namespace=self.namespace, budget=budget)
-        self.last_load = stream  # its fractions stay readable after close (`generate -v`)
-        with contextlib.ExitStack() as closing:
-            closing.enter_context(stream)
-            timings.lookup_s = time.perf_counter() - t0  # until the match was known
-            positions, kv = stream.gather(self.lm.spec)
-            covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
-            if not covered or not len(positions):
-                return Loaded(np.zeros(0, np.int64), cache, 0)
-            if self.transfer.staged:
-                positions, order = position_order(positions)
-                # `kv` may be a view of the stream's buffers, read layer by layer during
-                # the forward pass: the upload closes the stream once every layer is copied.
-                upload = self.transfer.upload(kv, order, self.lm.dtype, owner=closing.pop_all())
-                timings.load_s = time.perf_counter() - t0
-                return Loaded(positions, cache_from(self.lm.model.config, upload.pairs), covered, upload)
-            positions, tensor = cache_tensor(positions, kv)
-        cache = cache_from(self.lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
-        timings.load_s = time.perf_counter() - t0
-        return Loaded(positions, cache, covered)
-
-    def _forward(
-        self,
-        ids: Sequence[int],
-        start: int,
-        cache: Any,
-        stats: AttentionStats | None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        device = self.lm.device
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        position_ids = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
-        extra: dict[str, Any] = {"kvsieve_stats": stats} if stats is not None else {}
-        if last_only:  # the vocabulary projection of every prompt token costs ~20 % of a prefill
-            extra["logits_to_keep"] = 1
-        out = self.lm.model(
-            input_ids=input_ids, position_ids=position_ids, **cache_kwargs(self.lm.model, cache), **extra
-        )
-        return out.logits
 
     @torch.inference_mode()
     def analyze(self, ids: Sequence[int]) -> tuple[np.ndarray[Any, Any], AttentionStats]:
@@ -313,7 +149,7 @@ class Engine:
 
         stats = AttentionStats(0, self.lm.spec.num_layers)
         cache = DynamicCache(config=self.lm.model.config)
-        self._forward(ids, 0, cache, stats)
+        forward(self.lm, ids, 0, cache, stats)
         kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
         return kv.to(torch.float16).cpu().numpy(), stats
 
@@ -323,60 +159,7 @@ class Engine:
 
         With `last_only`, the logits of the last token only (one row).
         """
-        return self._forward(ids, start, cache, None, last_only)[0]
-
-    def _store_new(
-        self, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None
-    ) -> Callable[[], int] | None:
-        """Store the new full blocks; what completes the store (None: nothing to store).
-
-        On the CPU the store is made here. Through a staged transfer (CUDA) the KV only
-        starts its copy off the device here, on the copy stream: the store is made when
-        `finish_store` calls the returned function, after the answer is decoded.
-        """
-        block = self._block_tokens()
-        if self.store is None or len(ids) <= start:
-            return None
-        if block is not None and len(ids) // block * block <= start:
-            return None  # no new full block: skip building the KV array
-        layers = cache.layers
-        kv = torch.stack(
-            [
-                torch.stack([layers[i].keys[0, :, start:], layers[i].values[0, :, start:]])
-                for i in range(len(layers))
-            ]
-        ).to(torch.float16)
-        store = self.store
-
-        def finish(kv16: np.ndarray[Any, Any]) -> int:
-            scores = stats.prefill if stats is not None else None
-            result = store.store(
-                np.asarray(ids), kv16, model=self.lm.spec, namespace=self.namespace, scores=scores,
-                kv_start=start,
-            )  # fmt: skip
-            return int(result.new_blocks)
-
-        if not self.transfer.staged:
-            stored = finish(kv.numpy())
-            return lambda: stored
-        try:
-            pending = self.transfer.download(kv)
-        except StagingError as exc:  # not stored: the answer does not depend on it
-            self.transfer.last_error = str(exc)
-            return None
-        return lambda: finish(pending.result())
-
-    def _report(self, prefix: Sequence[int], stats: AttentionStats) -> None:
-        assert self.store is not None
-        history = stats.history
-        if len(history) == len(prefix):
-            self.store.report_scores(
-                np.asarray(prefix), history, model=self.lm.spec, namespace=self.namespace
-            )
-
-    def _block_tokens(self) -> int | None:
-        """Block size of an embedded store; None for a sidecar (it drops partial blocks itself)."""
-        return None if self.store is None else self.store.info.block_tokens
+        return forward(self.lm, ids, start, cache, None, last_only)[0]
 
     # -- decode -------------------------------------------------------------------
 
@@ -403,7 +186,7 @@ class Engine:
         answer = Completion(self.lm.tokenizer, sampling, self.lm.eos_token_ids)
         logits, position = state.logits, state.next_position
         while (reason := answer.add(int(sampler(logits.unsqueeze(0))[0]))) is None:
-            logits = self._forward(answer.tokens[-1:], position, state.cache, None)[0, -1]
+            logits = forward(self.lm, answer.tokens[-1:], position, state.cache, None)[0, -1]
             position += 1
         return answer.tokens, answer.text, reason
 
@@ -477,7 +260,7 @@ class Engine:
         with decoding(model, state.topup):
             steps = [continuation[:-1]] if state.topup is None else [[t] for t in continuation[:-1]]
             for step in (s for s in steps if len(s)):
-                rows.append(self._forward(step, start, state.cache, None)[0])
+                rows.append(forward(self.lm, step, start, state.cache, None)[0])
                 start += len(step)
         return torch.cat(rows, dim=0)
 
@@ -486,29 +269,3 @@ def _batch_result(answer: Completion, prompt_tokens: int, timings: Timings) -> G
     """A row of `generate_batch`: no prefix reuse, so every prompt token was computed."""
     reason = answer.reason or "length"
     return GenerateResult(answer.text, answer.tokens, prompt_tokens, 0, 0, prompt_tokens, 0, reason, timings)
-
-
-def position_order(positions: np.ndarray[Any, Any]) -> tuple[Any, np.ndarray[Any, Any] | None]:
-    """(positions ascending, the order that sorts them), the order None if already ascending."""
-    if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
-        order = np.argsort(positions, kind="stable")
-        return positions[order], order
-    return positions, None
-
-
-def cache_tensor(positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any]) -> tuple[Any, torch.Tensor]:
-    """Loaded KV (layers, 2, heads, n, dim) as float32 in position order: the one dtype
-    conversion, into a preallocated tensor; a reorder copy only if out of position order.
-
-    `kv` may be a read-only view of shared memory: it is only read here.
-    """
-    with warnings.catch_warnings():  # torch warns about read-only arrays; the source is never written
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(kv)
-    if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
-        order = np.argsort(positions, kind="stable")
-        positions = positions[order]
-        source = source.index_select(3, torch.from_numpy(order))
-    out = torch.empty(source.shape, dtype=torch.float32)
-    out.copy_(source)
-    return positions, out

@@ -1,0 +1,307 @@
+"""The engine's prefill paths: the prompt computed on top of the prefix KV the store holds.
+
+Two paths, chosen by `Engine` (engine_adapter/engine.py): the prefix loaded in one call
+(`prefill_static`), or layer by layer, each layer's chunks chosen by the new tokens'
+queries (`prefill_layered`, engine_adapter/layered.py). Either falls back to computing
+the whole prompt (`recompute`) when its load or its copy to the device fails. The
+static path stores the new full blocks with their prefill scores and reports how the
+new tokens attended to the prefix.
+
+The paths read the engine through `PrefillEngine`, the handful of its attributes they
+need, and record their loads there (`last_load`, `last_layered`) for `generate -v`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from engine_adapter.attention import AttentionStats
+from engine_adapter.cache import cache_from, cache_kwargs
+from engine_adapter.device import KVTransfer, LayerUpload
+from engine_adapter.layered import LayeredReport, layered_prefill
+from engine_adapter.layered_policy import plan_layered
+from engine_adapter.model import LoadedModel
+from engine_adapter.topup import DecodeTopUp, TopUpSettings
+from kvstore.api import LoadStream, PrefixStore
+from kvstore.budget import Budget
+from kvstore.errors import KVSieveError
+from kvstore.load.buffers import StagingError
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of one request."""
+
+    lookup_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class Prefill:
+    """State after the prompt: the cache, the logits of its last token, and what was reused."""
+
+    cache: Any
+    logits: torch.Tensor
+    next_position: int
+    matched_tokens: int = 0
+    loaded_tokens: int = 0
+    computed_tokens: int = 0
+    stored_blocks: int = 0
+    timings: Timings = field(default_factory=Timings)
+    #: Completes the store of the new blocks (their KV on its way off the device):
+    #: `Engine.finish_store` calls it once the answer is decoded.
+    pending_store: Callable[[], int] | None = None
+    #: The decode-time top-up of a layer-by-layer prefill (engine_adapter/topup.py), holding its load.
+    topup: DecodeTopUp | None = None
+
+
+class Loaded(NamedTuple):
+    """A prefix loaded for prefill: its tokens' positions, the cache, the prefix length covered,
+    and its copy to the device (None when the cache already holds it)."""
+
+    positions: Any
+    cache: Any
+    covered: int
+    upload: LayerUpload | None = None
+
+
+class PrefillEngine(Protocol):
+    """What the prefill paths read from the engine (`Engine`'s attributes of these names),
+    and the two they write: the load each prefill made, for `generate -v` and the benchmarks."""
+
+    lm: LoadedModel
+    store: PrefixStore | None
+    namespace: str
+    collect_stats: bool
+    choose_with_last: int | None
+    transfer: KVTransfer
+    topup: TopUpSettings | None
+    last_load: LoadStream | None
+    last_layered: LayeredReport | None
+
+
+def prefill_static(
+    engine: PrefillEngine, ids: Sequence[int], budget: Budget, timings: Timings, reuse: bool = True
+) -> Prefill:
+    """Load the prefix in one call (if `reuse`), compute the rest, store and report.
+
+    A copy to the device that fails (out of memory, a CUDA error) abandons the
+    loaded prefix: the prompt is recomputed (`transfer.last_error` says why).
+    """
+    lm = engine.lm
+    try:
+        positions, cache, matched, upload = load_prefix(engine, ids, budget if reuse else None, timings)
+        loaded = len(positions)
+        stats = AttentionStats(loaded, lm.spec.num_layers) if engine.collect_stats else None
+        t0 = time.perf_counter()
+        with upload.attached(lm.model) if upload is not None else contextlib.nullcontext():
+            logits = forward(lm, ids[matched:], matched, cache, stats)
+    except StagingError as exc:
+        if not reuse:
+            raise
+        engine.transfer.last_error = str(exc)
+        return recompute(engine, ids, timings)
+    timings.prefill_s = time.perf_counter() - t0
+    state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
+    if loaded == matched:  # KV computed over a partial prefix is approximate: never store it
+        state.pending_store = store_new(engine, ids, matched, cache, stats)
+        if stats is not None and matched:
+            report_history(engine, ids[:matched], stats)
+    return state
+
+
+def prefill_layered(
+    engine: PrefillEngine, ids: Sequence[int], budget: Budget, timings: Timings
+) -> Prefill | None:
+    """The layer-by-layer path (engine_adapter/layered_policy.py says when), or None.
+
+    A store error mid-pass abandons it: the prompt is recomputed without the store. On a
+    device, `layered_prefill` builds its cache and inputs there and each layer's chosen
+    chunks go through the shared staging copier (`copy_into_cache`); a failed copy
+    (`StagingError`) abandons the pass the same way.
+    """
+    if engine.store is None:
+        return None
+    t0 = time.perf_counter()
+    plan = plan_layered(engine.store, ids, budget, model=engine.lm.spec, namespace=engine.namespace)
+    if plan is None:
+        return None
+    timings.lookup_s = time.perf_counter() - t0
+    matched = int(plan.load.matched_tokens)
+    try:  # the load stays open for the top-up, which then owns it
+        out = layered_prefill(
+            engine.lm.model, plan.load, ids[matched:], plan.chunks, engine.choose_with_last,
+            keep_summaries=engine.topup is not None,
+        )  # fmt: skip
+    except (KVSieveError, StagingError) as exc:
+        plan.load.close()
+        engine.last_layered = LayeredReport(matched, plan.load.chunk_tokens, plan.chunks, error=str(exc))
+        return recompute(engine, ids, timings)
+    except BaseException:
+        plan.load.close()
+        raise
+    topup = None if engine.topup is None else DecodeTopUp(plan.load, out, engine.topup)
+    if topup is None:
+        plan.load.close()
+    engine.last_layered = out.report
+    timings.load_s = out.report.load_s
+    timings.prefill_s = time.perf_counter() - t0 - timings.lookup_s - out.report.load_s
+    loaded = plan.chunks * plan.load.chunk_tokens  # per layer; never stored (an approximation)
+    return Prefill(
+        out.cache, out.logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings,
+        topup=topup,
+    )  # fmt: skip
+
+
+def recompute(engine: PrefillEngine, ids: Sequence[int], timings: Timings) -> Prefill:
+    """The whole prompt computed, nothing loaded, its new blocks stored (after a failed load)."""
+    return prefill_static(engine, ids, 1.0, timings, reuse=False)
+
+
+def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None, timings: Timings) -> Loaded:
+    """The loaded prefix: positions of its tokens, the cache holding them, prefix length covered.
+
+    With `budget` None nothing is loaded (the whole prompt is computed).
+
+    One Load call: its header answers what a Lookup would (the matched prefix),
+    so no separate round trip. At least the last token is computed: its logits
+    start the answer. With a staged transfer (CUDA) the cache's tensors are filled
+    layer by layer during the forward pass (`Loaded.upload`).
+    """
+    from transformers import DynamicCache
+
+    lm, transfer = engine.lm, engine.transfer
+    cache = DynamicCache(config=lm.model.config)
+    if engine.store is None or budget is None or len(ids) < 2:
+        return Loaded(np.zeros(0, np.int64), cache, 0)
+    t0 = time.perf_counter()
+    stream = engine.store.load(ids[:-1], model=lm.spec, namespace=engine.namespace, budget=budget)
+    engine.last_load = stream  # its fractions stay readable after close (`generate -v`)
+    with contextlib.ExitStack() as closing:
+        closing.enter_context(stream)
+        timings.lookup_s = time.perf_counter() - t0  # until the match was known
+        positions, kv = stream.gather(lm.spec)
+        covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
+        if not covered or not len(positions):
+            return Loaded(np.zeros(0, np.int64), cache, 0)
+        if transfer.staged:
+            positions, order = position_order(positions)
+            # `kv` may be a view of the stream's buffers, read layer by layer during
+            # the forward pass: the upload closes the stream once every layer is copied.
+            upload = transfer.upload(kv, order, lm.dtype, owner=closing.pop_all())
+            timings.load_s = time.perf_counter() - t0
+            return Loaded(positions, cache_from(lm.model.config, upload.pairs), covered, upload)
+        positions, tensor = cache_tensor(positions, kv)
+    cache = cache_from(lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
+    timings.load_s = time.perf_counter() - t0
+    return Loaded(positions, cache, covered)
+
+
+def forward(
+    lm: LoadedModel,
+    ids: Sequence[int],
+    start: int,
+    cache: Any,
+    stats: AttentionStats | None,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """The model over `ids` at positions start.. on top of `cache` (appended in place); its logits.
+
+    With `stats`, attention statistics are collected; with `last_only`, the last token's logits only.
+    """
+    device = lm.device
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    position_ids = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
+    extra: dict[str, Any] = {"kvsieve_stats": stats} if stats is not None else {}
+    if last_only:  # the vocabulary projection of every prompt token costs ~20 % of a prefill
+        extra["logits_to_keep"] = 1
+    out = lm.model(input_ids=input_ids, position_ids=position_ids, **cache_kwargs(lm.model, cache), **extra)
+    return out.logits
+
+
+def store_new(
+    engine: PrefillEngine, ids: Sequence[int], start: int, cache: Any, stats: AttentionStats | None
+) -> Callable[[], int] | None:
+    """Store the new full blocks; what completes the store (None: nothing to store).
+
+    On the CPU the store is made here. Through a staged transfer (CUDA) the KV only
+    starts its copy off the device here, on the copy stream: the store is made when
+    `Engine.finish_store` calls the returned function, after the answer is decoded.
+    """
+    store = engine.store
+    block = None if store is None else store.info.block_tokens  # None for a sidecar: it drops partial blocks
+    if store is None or len(ids) <= start:
+        return None
+    if block is not None and len(ids) // block * block <= start:
+        return None  # no new full block: skip building the KV array
+    layers = cache.layers
+    kv = torch.stack(
+        [
+            torch.stack([layers[i].keys[0, :, start:], layers[i].values[0, :, start:]])
+            for i in range(len(layers))
+        ]
+    ).to(torch.float16)
+    spec, namespace = engine.lm.spec, engine.namespace
+
+    def finish(kv16: np.ndarray[Any, Any]) -> int:
+        scores = stats.prefill if stats is not None else None
+        result = store.store(
+            np.asarray(ids), kv16, model=spec, namespace=namespace, scores=scores, kv_start=start,
+        )  # fmt: skip
+        return int(result.new_blocks)
+
+    if not engine.transfer.staged:
+        stored = finish(kv.numpy())
+        return lambda: stored
+    try:
+        pending = engine.transfer.download(kv)
+    except StagingError as exc:  # not stored: the answer does not depend on it
+        engine.transfer.last_error = str(exc)
+        return None
+    return lambda: finish(pending.result())
+
+
+def report_history(engine: PrefillEngine, prefix: Sequence[int], stats: AttentionStats) -> None:
+    """Report to the store how the new tokens attended to each prefix token (history scores)."""
+    assert engine.store is not None
+    history = stats.history
+    if len(history) == len(prefix):
+        engine.store.report_scores(
+            np.asarray(prefix), history, model=engine.lm.spec, namespace=engine.namespace
+        )
+
+
+def position_order(positions: np.ndarray[Any, Any]) -> tuple[Any, np.ndarray[Any, Any] | None]:
+    """(positions ascending, the order that sorts them), the order None if already ascending."""
+    if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        order = np.argsort(positions, kind="stable")
+        return positions[order], order
+    return positions, None
+
+
+def cache_tensor(positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any]) -> tuple[Any, torch.Tensor]:
+    """Loaded KV (layers, 2, heads, n, dim) as float32 in position order: the one dtype
+    conversion, into a preallocated tensor; a reorder copy only if out of position order.
+
+    `kv` may be a read-only view of shared memory: it is only read here.
+    """
+    with warnings.catch_warnings():  # torch warns about read-only arrays; the source is never written
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(kv)
+    if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        order = np.argsort(positions, kind="stable")
+        positions = positions[order]
+        source = source.index_select(3, torch.from_numpy(order))
+    out = torch.empty(source.shape, dtype=torch.float32)
+    out.copy_(source)
+    return positions, out

@@ -10,6 +10,10 @@ idle limit and read each request under one, so no wait on a client is unbounded;
 each holds one of its tenant's stream slots until grpc has finished the call (its
 status delivered or the call cancelled), because until then the call also holds
 one of grpc's `max_concurrent_rpcs`.
+
+The handlers stay thin: Load's and LoadMany's replies are written by
+kvstore/server/load_reply.py, a Store's bounds and KV come through
+kvstore/server/store_intake.py, and pins meet their quota in kvstore/server/pins.py.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,17 +30,16 @@ from typing_extensions import override
 
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
-from kvstore.api import Lease, LoadStream
-from kvstore.errors import ArenaLimitError, InvalidInputError, LimitExceededError, NotFoundError
+from kvstore.api import Lease
+from kvstore.errors import ArenaLimitError, InvalidInputError, NotFoundError
 from kvstore.keys import validate_namespace
 from kvstore.model import ModelSpec
-from kvstore.rpc.messages import budget_from_fields, ctx_from_pb, stats_to_pb
+from kvstore.rpc.messages import ctx_from_pb, stats_to_pb
 from kvstore.rpc.shm import ServerArena
 from kvstore.server import many
 from kvstore.server.arenas import ArenaCache, ArenaLimits, Owner
 from kvstore.server.auth import Authorizer
 from kvstore.server.backend import SidecarStore
-from kvstore.server.chunks import ChunkWriter, receive_slices
 from kvstore.server.config import ServerConfig
 from kvstore.server.guard import CallGuard, StreamGauge
 from kvstore.server.layers import serve_layers
@@ -51,8 +55,11 @@ from kvstore.server.limits import (
     tokens_array,
     within,
 )
+from kvstore.server.load_reply import Reply, load_trailer, open_load, send_chunks, send_lists, send_load
 from kvstore.server.metrics import Metrics
-from kvstore.server.tenants import TenantCounters, namespace_usage, tenant_stats
+from kvstore.server.pins import pin_admitted, pinned_quota
+from kvstore.server.store_intake import check_namespace_bytes, receive_kv, store_bytes
+from kvstore.server.tenants import TenantCounters, tenant_stats
 from kvstore.values import LookupResult
 
 # Chunks per message (and per worker-thread hop): amortises both, and bounds latency.
@@ -75,7 +82,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             ArenaLimits(arena_bytes=config.shm_arena_bytes, namespace_bytes=config.shm_namespace_bytes,
                         total_bytes=config.shm_total_bytes, idle_s=config.shm_idle_s)
         )  # fmt: skip
-        quota = _pinned_quota(store, config)
+        quota = pinned_quota(store, config.namespace_pinned_fraction)
         self.leases = TenantLeases(config.namespace_max_leases, quota, self._block_bytes)
         self._inflight = ByteBudget(
             config.max_inflight_store_bytes, "max_inflight_store_bytes",
@@ -121,18 +128,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             slot.claim(tenant_of(token, namespace))
             lists = await asyncio.to_thread(many.token_lists, request, self._config.max_lookup_tokens)
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
-            flat = None if arena is None else np.frombuffer(arena.buf, np.uint8)
-            bytes_read = 0
             try:
-                for start in range(0, len(lists), many.LISTS_PER_HOP):
-                    loaded = await asyncio.to_thread(
-                        many.load_lists, self._store, lists, start, model, namespace, flat
-                    )
-                    for reply, read in loaded:
-                        bytes_read += read
-                        await self._send_load(context, reply)
+                send = partial(self._send_load, context)
+                bytes_read = await send_lists(send, self._store, lists, model, namespace, arena)
             finally:
-                flat = None  # no view of the arena may outlive the call
                 if arena is not None:
                     self.arenas.done(request.arena_id)
             self._tenants.add(namespace, {"loads": len(lists), "bytes_read": bytes_read})
@@ -153,18 +152,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             kv_start = header.kv_start
             if kv_start > len(tokens):
                 raise InvalidInputError(f"kv_start {kv_start} is beyond the {len(tokens)} tokens")
-            nbytes = self._store_bytes(model, len(tokens) - kv_start)
-            await self._check_namespace_bytes(namespace)
+            nbytes = store_bytes(model, len(tokens) - kv_start, self._config.max_store_bytes)
+            await check_namespace_bytes(self._store, namespace, self._config.namespace_max_bytes)
             with self._inflight.reserve(nbytes, tenant):  # before the allocation it bounds
                 shape = model.kv_shape(len(tokens) - kv_start)
-                if header.arena_id:
-                    owner = Owner(token, namespace)
-                    kv = await asyncio.to_thread(self._kv_from_arena, header.arena_id, owner, model, shape)
-                    refusal = f"Store: no end of stream for {idle:g} s (stream_idle_s)"
-                    if await within(anext(aiter(request_iterator), None), idle, refusal) is not None:
-                        raise InvalidInputError("a Store through an arena carries no slices")
-                else:
-                    kv = await receive_slices(request_iterator, model, shape, kv_start, idle)
+                kv = await receive_kv(
+                    request_iterator, header, Owner(token, namespace), model, shape,
+                    arenas=self.arenas, shm=self._config.shm, idle_s=idle,
+                )  # fmt: skip
                 scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
                 result = await asyncio.to_thread(
                     self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
@@ -186,40 +181,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             slot.claim(tenant_of(token, namespace))
             check_token_count(token_count(request), self._config.max_lookup_tokens, "max_lookup_tokens")
             arena = self._acquire_arena(request.arena_id, Owner(token, namespace))
-            writer: ChunkWriter | None = None
+            max_tokens = self._config.max_lookup_tokens
             try:
-                stream = await asyncio.to_thread(self._load, request, model, namespace)
-                header = pb.LoadHeader(
-                    matched_tokens=stream.matched_tokens,
-                    selected_tokens=stream.selected_tokens,
-                    shm=arena is not None,
-                    packed_tokens=True,
-                    shm_by_position=arena is not None and request.shm_by_position,
+                stream = await asyncio.to_thread(
+                    open_load, self._store, request, model, namespace, max_tokens
                 )
-                await self._send_load(context, pb.LoadResponse(header=header))
-                writer = ChunkWriter(
-                    stream, arena, model, packed_positions=request.packed_positions,
-                    by_position=request.shm_by_position,
-                )  # fmt: skip
-                limit = self._config.max_message_bytes // 2
-                batches = (_CHUNKS_PER_MESSAGE, limit, _SHM_CHUNKS_PER_MESSAGE)
-                while message := await asyncio.to_thread(writer.next_batch, *batches):
-                    await self._send_load(context, message)
+                batches = (_CHUNKS_PER_MESSAGE, self._config.max_message_bytes // 2, _SHM_CHUNKS_PER_MESSAGE)
+                await send_chunks(partial(self._send_load, context), stream, request, model, arena, batches)
             finally:
-                if writer is not None:
-                    writer.close()  # its views of the arena, before the arena may be unmapped
-                if arena is not None:
+                if arena is not None:  # after the chunk writer's views of it are closed
                     self.arenas.done(request.arena_id)
-            trailer = pb.LoadTrailer(
-                num_tokens=stream.num_tokens,
-                bytes_read=stream.bytes_read,
-                read_amplification=stream.read_amplification,
-                delivered_tokens=stream.delivered_tokens,
-                delivered_fraction=stream.delivered_fraction,
-                read_fraction=stream.read_fraction,
-                estimated_coverage=stream.estimated_coverage,
-            )
-            await self._send_load(context, pb.LoadResponse(trailer=trailer))
+            await self._send_load(context, load_trailer(stream))
             self._tenants.add(namespace, {"loads": 1, "bytes_read": stream.bytes_read})
             self._metrics.load_seconds.observe(time.perf_counter() - started)
             if stream.selected_tokens:
@@ -335,10 +307,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             slot.claim(tenant_of(self._auth.caller(context.invocation_metadata()), ""))
         return slot
 
-    async def _send_load(self, context: Any, message: pb.LoadResponse | pb.LoadManyResponse | bytes) -> None:
-        idle = self._config.stream_idle_s
-        refusal = f"Load: the client took no answer for {idle:g} s (stream_idle_s); the load was ended"
-        await within(context.write(message), idle, refusal, gone=context.done)
+    async def _send_load(self, context: Any, message: Reply) -> None:
+        await send_load(context, message, self._config.stream_idle_s)
 
     def _hold_pins(self, namespace: str, keys: tuple[bytes, ...]) -> AbstractContextManager[None]:
         """A LoadLayers stream's pin, counted against its namespace's pin quota while it lives."""
@@ -357,53 +327,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         lists = many.token_lists(request, self._config.max_lookup_tokens)
         return many.leading_cached(self._store, lists, model, namespace)
 
-    def _load(self, request: pb.LoadRequest, model: ModelSpec, namespace: str) -> LoadStream:
-        tokens = request_tokens(request, self._config.max_lookup_tokens, "max_lookup_tokens")
-        return self._store.load(
-            tokens, model=model, namespace=namespace,
-            budget=budget_from_fields(request), budget_tokens=request.budget_tokens or None,
-        )  # fmt: skip
-
-    def _kv_from_arena(self, arena_id: str, owner: Owner, model: ModelSpec, shape: tuple[int, ...]) -> Any:
-        """A Store's KV, copied out of the caller's arena before anything reads it."""
-        if not self._config.shm:
-            raise NotFoundError("shared memory is disabled on this server: send the KV as slices")
-        arena = self.arenas.acquire(arena_id, owner)  # PermissionDeniedError if not the caller's
-        if arena is None:
-            raise NotFoundError(f"arena {arena_id!r} is unknown or busy: send the KV as slices")
-        try:
-            count = int(np.prod(shape))
-            if len(arena.buf) < count * model.itemsize:
-                raise InvalidInputError(
-                    f"arena {arena_id!r} holds {len(arena.buf)} B, the KV needs {count * model.itemsize} B"
-                )
-            return np.frombuffer(arena.buf, model.np_dtype, count).reshape(shape).copy()
-        finally:
-            self.arenas.done(arena_id)
-
     def _report_scores(self, request: pb.ReportScoresRequest, model: ModelSpec, namespace: str) -> int:
         tokens = self._tokens(request.tokens)
         scores = np.asarray(request.scores, np.float32)
         return self._store.report_scores(tokens, scores, model=model, namespace=namespace)
-
-    def _store_bytes(self, model: ModelSpec, num_tokens: int) -> int:
-        nbytes = num_tokens * model.token_bytes  # Python ints: no overflow, nothing allocated yet
-        if nbytes > self._config.max_store_bytes:
-            raise InvalidInputError(
-                f"KV of {num_tokens} tokens at {model.token_bytes} B/token is {nbytes} B, above "
-                f"max_store_bytes {self._config.max_store_bytes}"
-            )
-        return nbytes
-
-    async def _check_namespace_bytes(self, namespace: str) -> None:
-        quota = self._config.namespace_max_bytes
-        if not quota:
-            return
-        _, held = await asyncio.to_thread(namespace_usage, self._store, frozenset([namespace]))
-        if held >= quota:
-            raise LimitExceededError(
-                f"namespace {namespace!r} holds {held} B, its quota namespace_max_bytes is {quota}"
-            )
 
     def _acquire_arena(self, arena_id: str, owner: Owner) -> ServerArena | None:
         if not arena_id or not self._config.shm:
@@ -411,13 +338,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return self.arenas.acquire(arena_id, owner)  # PermissionDeniedError before any work
 
     def _pin(self, tokens: Any, model: ModelSpec, namespace: str, ttl: float) -> Lease:
-        lease = self._store.pin(self._tokens(tokens), model=model, namespace=namespace, ttl_s=ttl)
-        try:
-            self.leases.admit(namespace, lease, self._store.lease_keys(lease.lease_id))
-        except LimitExceededError:
-            self._store.unpin(lease.lease_id)
-            raise
-        return lease
+        return pin_admitted(self._store, self.leases, self._tokens(tokens), model, namespace, ttl)
 
     def _block_bytes(self, key: bytes) -> int:
         return self._store.block_bytes(key)
@@ -427,9 +348,3 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     def _streaming(self) -> StreamGauge:
         return StreamGauge(self._metrics)
-
-
-def _pinned_quota(store: SidecarStore, config: ServerConfig) -> int | None:
-    """Bytes one namespace may keep pinned: a share of the budget pins could exhaust."""
-    budget = store.pinnable_bytes()
-    return None if budget is None else int(budget * config.namespace_pinned_fraction)

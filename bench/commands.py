@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from kvstore.cli.flags import Subcommands, add_command
+from kvstore.errors import InvalidInputError
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -33,11 +34,24 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (stable keys)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     p.add_argument("--plot", type=Path, help="also write a PNG plot (ttft, readamp; needs matplotlib)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        metavar="C",
+        help="vllm only: also run a stream of requests over shared documents, C in flight "
+        "(throughput and TTFT p50/p99 of vLLM alone, with its prefix cache, with kvsieve)",
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"bench.{args.name}_bench")
-    result = module.run(quick=args.quick)
+    if args.concurrency and args.name != "vllm":
+        raise InvalidInputError(f"--concurrency applies to `kvsieve bench vllm` only, not {args.name!r}")
+    if args.concurrency < 0:
+        raise InvalidInputError(f"--concurrency must be >= 1 requests in flight, got {args.concurrency}")
+    extra = {"concurrency": args.concurrency} if args.concurrency else {}
+    result = module.run(quick=args.quick, **extra)
     if args.plot:
         from bench import plots
 

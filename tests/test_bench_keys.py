@@ -61,7 +61,9 @@ PUBLISHED = {
     "cpu_pool_allocations_after_warmup",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
-    "ttft_kvsieve_miss_s miss_overhead first_token_mismatches",
+    "ttft_kvsieve_miss_s miss_overhead first_token_mismatches ttft_kvsieve_warm_s "
+    "kvsieve_warm_vs_prefix_cache hit_lookup_s hit_fetch_s hit_copy_s hit_vllm_s warm_fetch_s "
+    "miss_lookup_s miss_save_copy_s miss_vllm_s miss_store_s",
     "events": "events_lost store_throughput_events_vs_off store_throughput_events_vs_off_disk",
 }
 # A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
@@ -90,6 +92,22 @@ PEER_KEYS = {
 }
 # "vllm" is not run here: even --quick starts vLLM four times (minutes), past CI's budget for
 # the vLLM integration; tests/test_vllm.py covers the connector, the figures are in docs/performance.md.
+# `kvsieve bench vllm --concurrency C` adds these (bench/vllm_load.py), checked below on its summary.
+VLLM_LOAD_KEYS = (
+    "throughput_kvsieve_vs_plain p99_ttft_kvsieve_vs_prefix_cache p99_ttft_kvsieve_vs_prefix_cache_small "
+    "throughput_kvsieve_vs_prefix_cache_small throughput_rps_plain throughput_rps_prefix_cache "
+    "throughput_rps_kvsieve ttft_p50_s_kvsieve ttft_p99_s_kvsieve ttft_p99_s_prefix_cache "
+    "prompt_tokens_per_s_kvsieve load_first_token_mismatches"
+)
+
+
+def test_vllm_load_summary_has_its_published_keys() -> None:
+    from bench.vllm_load import MODES, summarize
+
+    runs = {m: {"outputs": [[5]], "ttft_s": [0.5 + i], "elapsed_s": 1.0 + i} for i, m in enumerate(MODES)}
+    figures = summarize(runs, [[1, 2, 3]], concurrency=1)
+    assert [key for key in VLLM_LOAD_KEYS.split() if key not in figures] == []
+    assert all(isinstance(figures[key], int | float) for key in VLLM_LOAD_KEYS.split())
 
 
 @pytest.mark.slow

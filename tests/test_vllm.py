@@ -35,6 +35,7 @@ from conftest import corrupt_chunk
 from bench.sidecar import Sidecar
 from bench.texts import token_windows
 from engine_adapter.vllm.driver import DriverProcess
+from engine_adapter.vllm.timings import read_records
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.keys import block_keys, namespace_digest
@@ -74,19 +75,24 @@ class World:
             time.sleep(0.05)
         return stats
 
-    def start(self, name: str) -> DriverProcess:
+    def start(self, name: str, **extra: Any) -> DriverProcess:
         return DriverProcess(
-            self.model, connector_config(self.sidecar.address), **driver_options(self.logs, name)
+            self.model, connector_config(self.sidecar.address, **extra), **driver_options(self.logs, name)
         )
 
 
-def connector_config(address: str) -> dict[str, Any]:
-    """The --kv-transfer-config of docs/vllm.md, pointed at `address`."""
+def connector_config(address: str, **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config of docs/vllm.md, pointed at `address` (plus `extra` settings)."""
     return {
         "kv_connector": "KVSieveConnector",
         "kv_connector_module_path": "engine_adapter.vllm.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": address, "namespace": NAMESPACE, "retry_after_s": 600},
+        "kv_connector_extra_config": {
+            "store": address,
+            "namespace": NAMESPACE,
+            "retry_after_s": 600,
+            **extra,
+        },
     }
 
 
@@ -198,7 +204,8 @@ def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) 
                       namespace_digest(NAMESPACE))  # fmt: skip
     corrupt_chunk(StoreConfig(data_dir=world.sidecar.data_dir), keys[2], chunk_index=0)
     world.sidecar.start()
-    b = world.start("b")
+    timings = world.logs / "b-timings.jsonl"
+    b = world.start("b", timings_path=str(timings))
     try:
         b.wait_ready()
         answers = b.ask(world.prompts[:3], MAX_TOKENS)["outputs"]
@@ -211,6 +218,21 @@ def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) 
         assert stats.get("blocks_written") == 0
         short = [line for line in b.log_lines if "kvsieve sidecar delivered 512 of 1024" in line]
         assert len(short) == 1, short
+        # Where the loads' time went (`kvsieve bench vllm`'s breakdown): one lookup per prompt,
+        # one load each, the short one delivering half of its blocks.
+        records, _ = read_records(timings)
+        lookups = [r for r in records if r["what"] == "lookup"]
+        loads = [r for r in records if r["what"] == "load"]
+        assert [r["hit_tokens"] for r in lookups] == [1024, 1024, 1024]
+        assert sorted(r["tokens"] for r in loads) == [512, 1024, 1024]
+        assert all(r["s"] > 0 for r in lookups)
+        assert all(r["fetch_s"] > 0 and r["copy_s"] > 0 for r in loads)
+
+        # The same prompts sent as a stream, two in flight: loaded again (B's own prefix cache is
+        # off), the same answers.
+        run = b.closed_loop(world.prompts[1:3], concurrency=2, max_tokens=MAX_TOKENS)
+        assert run["outputs"] == world.baseline[1:3]
+        assert len(run["ttft_s"]) == 2 and all(0 < t <= run["elapsed_s"] for t in run["ttft_s"])
 
         # Two processes on one sidecar: what B stores, A loads.
         fresh = world.prompts[3]

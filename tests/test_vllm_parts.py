@@ -21,9 +21,10 @@ import torch
 from bench.sidecar import Sidecar
 from engine_adapter.vllm import layout
 from engine_adapter.vllm.guard import SidecarGuard
+from engine_adapter.vllm.jobs import layer_order
 from engine_adapter.vllm.plan import LoadOp, RequestTracker, SaveOp, ScheduledRequest
 from engine_adapter.vllm.settings import ConnectorSettings
-from engine_adapter.vllm.worker import WorkerSide, layer_order
+from engine_adapter.vllm.worker import WorkerSide
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 
@@ -47,6 +48,8 @@ def test_settings_from_extra_config() -> None:
         ({"save_queue_bytes": 0}, "save_queue_bytes"),
         ({"save_queue_bytes": 1.5}, "save_queue_bytes"),
         ({"adress": "x:1"}, "adress"),
+        ({"timings_path": ""}, "timings_path"),
+        ({"timings_path": 3}, "timings_path"),
     ],
 )
 def test_settings_refuse_bad_values_naming_the_field(extra: dict[str, object], named: str) -> None:
@@ -450,3 +453,84 @@ def test_bench_counts_first_tokens_that_differ_from_recompute() -> None:
     assert first_token_mismatches(recompute, [Answer(0.2, 11), Answer(0.3, 99), Answer(0.2, 7)]) == 2
     with pytest.raises(ValueError, match="2 answers for 3 documents"):
         first_token_mismatches(recompute, recompute[:2])
+
+
+def test_bench_breakdown_subtracts_the_parts_on_the_request_path_only() -> None:
+    from bench.vllm_bench import Answer, breakdown
+
+    answers = [
+        Answer(1.0, 1, {"lookup": 0.01, "fetch": 0.2, "copy": 0.1, "store": 5.0}),
+        Answer(2.0, 1, {"lookup": 0.03, "fetch": 0.4, "copy": 0.3, "store": 7.0}),
+        Answer(1.5, 1, {"lookup": 0.02, "fetch": 0.3}),  # no copy record: counted as 0
+    ]
+    out = breakdown("hit", answers, ("lookup", "fetch", "copy"), background=("store",))
+    assert out["hit_lookup_s"] == 0.02 and out["hit_fetch_s"] == 0.3 and out["hit_copy_s"] == 0.1
+    assert out["hit_store_s"] == 5.0
+    # The rest per answer: 0.69, 1.27, 1.18 -> median 1.18 (the background send is not subtracted).
+    assert out["hit_vllm_s"] == pytest.approx(1.18)
+
+
+def test_timing_log_lines_from_two_writers_are_read_in_order_from_an_offset(tmp_path: Path) -> None:
+    from engine_adapter.vllm.timings import TimingLog, read_records
+
+    path = tmp_path / "timings.jsonl"
+    scheduler, worker = TimingLog(str(path)), TimingLog(str(path))  # two processes' logs on one file
+    with scheduler.span("lookup", tokens=10) as record:
+        record["hit_tokens"] = 8
+    worker.record("load", fetch_s=0.5, copy_s=0.25, tokens=8)
+    first, offset = read_records(path)
+    assert [(r["what"], r.get("hit_tokens"), r.get("tokens")) for r in first] == [
+        ("lookup", 8, 10),
+        ("load", None, 8),
+    ]
+    assert first[0]["s"] >= 0 and first[1]["fetch_s"] == 0.5
+    with path.open("ab") as f:
+        f.write(b'{"what": "store", "s": 1')  # a line still being written is not read yet
+    assert read_records(path, offset) == ([], offset)
+    with path.open("ab") as f:
+        f.write(b".5}\n")
+    assert read_records(path, offset)[0] == [{"what": "store", "s": 1.5}]
+    off = TimingLog(None)
+    off.record("load", fetch_s=1.0)  # disabled: nothing written anywhere
+    assert not off.enabled
+    scheduler.close()
+    worker.close()
+
+
+def test_load_stream_asks_every_document_once_per_round() -> None:
+    from bench.vllm_load import QUESTIONS, stream
+
+    class Words:  # a tokenizer of this test's own: one id per character
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    prompts = stream(Words(), documents=4, requests=10, doc_tokens=64)
+    docs = [tuple(p[:64]) for p in prompts]
+    assert len(prompts) == 10 and len(set(docs)) == 4
+    assert all(len(set(docs[r : r + 4])) == 4 for r in (0, 4))  # two whole rounds, then two more
+    asked: dict[tuple[int, ...], int] = {}
+    for doc, prompt in zip(docs, prompts, strict=True):
+        question = [ord(c) for c in QUESTIONS[asked.get(doc, 0) % len(QUESTIONS)]]
+        assert prompt[64:] == question  # each document's questions in turn
+        asked[doc] = asked.get(doc, 0) + 1
+
+
+def test_load_summary_ratios_come_from_each_modes_run() -> None:
+    from bench.vllm_load import MODES, summarize
+
+    prompts = [[1] * 100, [2] * 100]
+    runs = {
+        mode: {
+            "outputs": [[7, 1], [8, 2]],
+            "ttft_s": [0.1 * (i + 1), 0.2 * (i + 1)],
+            "elapsed_s": 2.0 * (i + 1),
+        }
+        for i, mode in enumerate(MODES)
+    }
+    runs["kvsieve"]["outputs"] = [[7, 1], [9, 2]]  # one first token differs from plain's
+    out = summarize(runs, prompts, concurrency=2)
+    assert out["throughput_rps_plain"] == 1.0 and out["prompt_tokens_per_s_plain"] == 100.0
+    assert out["throughput_kvsieve_vs_plain"] == round(1 / 3, 3)
+    assert out["ttft_p99_s_prefix_cache"] == pytest.approx(0.398, abs=1e-3)
+    assert out["p99_ttft_kvsieve_vs_prefix_cache"] == pytest.approx(1.5, abs=1e-3)
+    assert out["load_first_token_mismatches_by_mode"] == {m: int(m == "kvsieve") for m in MODES}

@@ -28,6 +28,7 @@ from engine_adapter.vllm.fingerprint import vllm_model_spec
 from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.plan import RequestTracker, ScheduledRequest, StepPlan
 from engine_adapter.vllm.settings import ConnectorSettings
+from engine_adapter.vllm.timings import TimingLog
 from engine_adapter.vllm.worker import WorkerSide
 from kvstore.client.kvclient import KVClient
 from kvstore.errors import InvalidInputError
@@ -79,8 +80,10 @@ class KVSieveConnector(KVConnectorBase_V1):
         )
         s = self.settings
         self.tracker = RequestTracker(self.block_size, s.block_tokens, loads=s.loads, saves=s.saves)
+        self.timings = TimingLog(s.timings_path, logger)
         self.worker = WorkerSide(self.client, self.spec, s.namespace, self.block_size, self.guard,
-                                 s.save_queue_bytes, copy_timeout_s=s.timeout_s)  # fmt: skip
+                                 s.save_queue_bytes, copy_timeout_s=s.timeout_s,
+                                 timings=self.timings)  # fmt: skip
         self.events = held_block_events(vllm_config, kv_cache_config, s) if scheduler else None
         logger.info("KVSieveConnector (%s) on %s, namespace %r, mode %s, model %s (%s), fingerprint %s",
                     role.name, s.store, s.namespace, s.mode, self.spec.name, self.spec.dtype,
@@ -136,7 +139,9 @@ class KVSieveConnector(KVConnectorBase_V1):
         return self.events.take() if self.events is not None else ()
 
     def _lookup(self, tokens: list[int]) -> int:
-        result = self.client.lookup(tokens, model=self.spec, namespace=self.settings.namespace)
+        with self.timings.span("lookup", tokens=len(tokens)) as record:
+            result = self.client.lookup(tokens, model=self.spec, namespace=self.settings.namespace)
+            record["hit_tokens"] = int(result.num_tokens)
         return int(result.num_tokens)
 
     # -- worker side ----------------------------------------------------------------
@@ -186,6 +191,7 @@ class KVSieveConnector(KVConnectorBase_V1):
         """Send the queued saves (within `timeout_s`), stop the sender, close the sidecar channel."""
         self.worker.close(self.settings.timeout_s)
         self.client.close()
+        self.timings.close()
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()

@@ -6,6 +6,11 @@ question. Run as `python -m engine_adapter.vllm.driver --model DIR [--kv-transfe
 each stdin line is a JSON request `{"prompts": [[token ids], ...], "max_tokens": N}`;
 each answer is one stdout line `KVSIEVE_DRIVER {"outputs": [[token ids], ...], "elapsed_s": S}`
 (vLLM's own logs share stdout, hence the marker). Greedy decoding throughout.
+
+A request with `"concurrency": C` is a load run instead (`closed_loop`): its prompts
+are sent in order with C in flight at a time (a new one as soon as one finishes), and
+the answer adds each prompt's time to first token (`ttft_s`, vLLM's own measure when
+it logs stats, else the time to its last token) and the run's wall time.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true", help="enable vLLM's own prefix cache")
     p.add_argument("--eager", action="store_true", help="no torch.compile: starts in seconds, runs slower")
     p.add_argument("--dtype", default="auto", help="model dtype (auto: bfloat16 on CPU)")
+    p.add_argument("--log-stats", action="store_true", help="vLLM's per-request stats (first-token times)")
+    p.add_argument("--num-blocks", type=int, default=0, help="vLLM cache blocks (0: as many as fit)")
     return p.parse_args(argv)
 
 
@@ -50,8 +57,11 @@ def build_llm(args: argparse.Namespace) -> Any:
         from vllm.config import KVEventsConfig
 
         extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
+    if args.num_blocks:
+        extra["num_gpu_blocks_override"] = args.num_blocks
     return LLM(
         model=args.model,
+        disable_log_stats=not args.log_stats,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
         enforce_eager=args.eager,
@@ -66,10 +76,55 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
 
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=int(request.get("max_tokens", 16)))
+    if request.get("concurrency"):
+        return closed_loop(llm, prompts, params, int(request["concurrency"]))
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     return {"outputs": [list(r.outputs[0].token_ids) for r in results], "elapsed_s": elapsed}
+
+
+def closed_loop(llm: Any, prompts: list[Any], params: Any, concurrency: int) -> dict[str, Any]:
+    """Send `prompts` in order, `concurrency` in flight at a time; each one's output, time to
+    first token and end time (seconds from the run's start), and the run's wall time."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    engine = llm.llm_engine
+    outputs: list[list[int]] = [[] for _ in prompts]
+    ttft = [0.0] * len(prompts)
+    finished = [0.0] * len(prompts)
+    in_flight: dict[str, tuple[int, float]] = {}
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < len(prompts) or in_flight:
+        while sent < len(prompts) and len(in_flight) < concurrency:
+            (request_id,) = llm.enqueue([prompts[sent]], params, use_tqdm=False)
+            in_flight[request_id] = (sent, time.perf_counter())
+            sent += 1
+        for out in engine.step():
+            key = _request_key(out.request_id, in_flight) if out.finished else None
+            if key is None:
+                continue
+            index, started = in_flight.pop(key)
+            now = time.perf_counter()
+            outputs[index] = list(out.outputs[0].token_ids)
+            latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
+            ttft[index] = latency if latency > 0 else now - started
+            finished[index] = now - t0
+    return {
+        "outputs": outputs,
+        "ttft_s": ttft,
+        "finished_s": finished,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def _request_key(output_id: str, in_flight: Mapping[str, Any]) -> str | None:
+    """The key of `in_flight` an output belongs to: `enqueue` returns vLLM's internal request id
+    (the caller's id plus a random suffix), the outputs carry the caller's id."""
+    if output_id in in_flight:
+        return output_id
+    return next((key for key in in_flight if key.startswith(f"{output_id}-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +151,8 @@ class DriverProcess:
         prefix_caching: enable vLLM's own prefix cache.
         eager: skip torch.compile (a start takes seconds instead of minutes; compute is slower).
         dtype: the model dtype ("auto", "float32", ...).
+        log_stats: vLLM's per-request stats (a load run's first-token times come from them).
+        num_blocks: vLLM's cache blocks (0: as many as its KV cache space holds).
         env: extra environment (VLLM_CPU_KVCACHE_SPACE defaults to 1 GiB).
         log_path: also append vLLM's output to this file.
     """
@@ -110,6 +167,8 @@ class DriverProcess:
         eager: bool = False,
         dtype: str = "auto",
         max_model_len: int = 4096,
+        log_stats: bool = False,
+        num_blocks: int = 0,
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
     ) -> None:
@@ -124,6 +183,10 @@ class DriverProcess:
         if eager:
             cmd.append("--eager")
         cmd += ["--dtype", dtype]
+        if log_stats:
+            cmd.append("--log-stats")
+        if num_blocks:
+            cmd += ["--num-blocks", str(num_blocks)]
         full_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
         self.log_lines: list[str] = []
         self._log = open(log_path, "a") if log_path is not None else None  # noqa: SIM115 (closed in stop)
@@ -148,8 +211,22 @@ class DriverProcess:
         self, prompts: Sequence[Sequence[int]], max_tokens: int = 16, timeout_s: float = 600
     ) -> dict[str, Any]:
         """Greedy completions of `prompts` (token ids): {"outputs": [...], "elapsed_s": ...}."""
-        assert self.proc.stdin is not None
         request = {"prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens}
+        return self._request(request, timeout_s)
+
+    def closed_loop(
+        self, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int = 16, timeout_s: float = 600
+    ) -> dict[str, Any]:
+        """A load run (`closed_loop`): {"outputs", "ttft_s", "finished_s", "elapsed_s"}."""
+        request = {
+            "prompts": [list(map(int, p)) for p in prompts],
+            "max_tokens": max_tokens,
+            "concurrency": concurrency,
+        }
+        return self._request(request, timeout_s)
+
+    def _request(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._next_reply(timeout_s)
@@ -190,7 +267,9 @@ class DriverProcess:
             while not self._replies:
                 if not self._reader.is_alive():
                     tail = "\n".join(self.log_lines[-30:])
-                    raise RuntimeError(f"vLLM driver exited ({self.proc.poll()}):\n{tail}")
+                    # The root cause is the first error line; the traceback's tail is its consequence.
+                    cause = next((ln for ln in self.log_lines if "Error: " in ln), "")
+                    raise RuntimeError(f"vLLM driver exited ({self.proc.poll()}): {cause}\n{tail}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"vLLM driver gave no answer in {timeout_s:.0f} s")

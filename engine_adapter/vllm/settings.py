@@ -43,6 +43,8 @@ class ConnectorSettings:
             stream to its GPU blocks.
         kv_events_queue: bound on events waiting for vLLM to drain them (every step); past it
             the oldest are dropped and counted.
+        timings_path: append one JSON line per lookup, load and save copy to this file (where the
+            time of a hit or a miss goes: `kvsieve bench vllm`'s breakdown); None: no record.
     """
 
     store: str = "127.0.0.1:50051"
@@ -57,6 +59,7 @@ class ConnectorSettings:
     save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
     kv_events: bool = True
     kv_events_queue: int = 10_000
+    timings_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not (self.store.startswith("unix:") or ":" in self.store):
@@ -87,6 +90,10 @@ class ConnectorSettings:
             raise InvalidInputError(
                 f"kvsieve kv_events_queue must be an int of events in [1, 10000000], got {cap!r}"
             )
+
+        path = self.timings_path
+        if path is not None and (not isinstance(path, str) or not path):
+            raise InvalidInputError(f"kvsieve timings_path must be a file path, got {self.timings_path!r}")
 
     @property
     def loads(self) -> bool:

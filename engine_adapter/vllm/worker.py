@@ -23,71 +23,24 @@ sender waits for that copy's event, never the forward pass.
 from __future__ import annotations
 
 import functools
-import re
 import threading
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from engine_adapter.vllm import layout
 from engine_adapter.vllm.guard import SidecarGuard
+from engine_adapter.vllm.jobs import LoadOutcome, SaveJob, layer_order
 from engine_adapter.vllm.plan import LoadOp, SaveOp
 from engine_adapter.vllm.sender import SaveQueue
 from engine_adapter.vllm.settings import DEFAULT_SAVE_QUEUE_BYTES
 from engine_adapter.vllm.staging import CopyStream, HostStaging
+from engine_adapter.vllm.timings import TimingLog
 from kvstore.api import PrefixStore
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
-
-
-class LoadOutcome(NamedTuple):
-    """What one load wrote: the tokens placed and the vLLM blocks that must be recomputed."""
-
-    written_tokens: int
-    failed_blocks: frozenset[int]
-
-
-@dataclass
-class SaveJob:
-    """One save, copied out of vLLM's cache: what the sender thread stores.
-
-    Attributes:
-        tokens: the prefix stored (whole kvsieve blocks).
-        kv_start: first position whose KV is sent.
-        blocks: copy of the vLLM blocks holding [kv_start, len(tokens)) (`layout.copy_blocks`),
-            in host memory (pinned, from the worker's pool, when the cache is on CUDA).
-        offset: where kv_start lies in the copy (its offset in the first copied block).
-        block_ids: the vLLM blocks copied (CUDA: filled layer by layer).
-        ready: CUDA only: set once every layer's copy is queued and `copied` recorded.
-        copied: CUDA only: done when the device-to-host copies have landed in `blocks`.
-        layers_done: CUDA only: which layers are copied (or queued) so far.
-        device_block_ids: CUDA only: `block_ids` on the cache's device.
-    """
-
-    tokens: tuple[int, ...]
-    kv_start: int
-    blocks: torch.Tensor
-    offset: int
-    block_ids: tuple[int, ...] = ()
-    ready: threading.Event | None = None
-    copied: torch.cuda.Event | None = None
-    layers_done: set[int] | None = None
-    device_block_ids: torch.Tensor | None = None
-
-
-def layer_order(names: list[str]) -> list[str]:
-    """Layer names sorted by the layer number they contain ("model.layers.12.self_attn.attn")."""
-
-    def number(name: str) -> int:
-        found = re.findall(r"\.(\d+)\.", f".{name}.")
-        if len(found) != 1:
-            raise InvalidInputError(f"cannot tell the layer number of KV cache layer {name!r}")
-        return int(found[0])
-
-    return sorted(names, key=number)
 
 
 class WorkerSide:
@@ -103,6 +56,7 @@ class WorkerSide:
         guard: the circuit breaker around sidecar calls (shared by both threads).
         save_queue_bytes: bound on the bytes of KV copies waiting to be sent.
         copy_timeout_s: CUDA: how long the sender waits for a save's copy out of the cache.
+        timings: where each load's fetch and copy times and each save's copy time are recorded.
     """
 
     def __init__(
@@ -114,6 +68,7 @@ class WorkerSide:
         guard: SidecarGuard,
         save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES,
         copy_timeout_s: float = 10.0,
+        timings: TimingLog | None = None,
     ):
         self.client = client
         self.spec = spec
@@ -121,6 +76,7 @@ class WorkerSide:
         self.block_size = block_size
         self.guard = guard
         self.copy_timeout_s = copy_timeout_s
+        self.timings = timings or TimingLog(None)
         self.layers: list[torch.Tensor] = []
         self.saves: SaveQueue[SaveJob] = SaveQueue(self._send, save_queue_bytes, guard.log)
         self.saved_blocks = 0  # new blocks the sidecar wrote (counted on the sender thread)
@@ -216,11 +172,13 @@ class WorkerSide:
         if self._step_failed or not self.guard.available:  # breaker open: the send would be skipped
             return 0
         queued = 0
-        for op in ops:
-            try:
-                queued += self._queue(op)
-            except Exception:  # a bug of ours must cost the save, not the request
-                self._log_copy_failure()
+        with self.timings.span("save_copy") as record:
+            for op in ops:
+                try:
+                    queued += self._queue(op)
+                except Exception:  # a bug of ours must cost the save, not the request
+                    self._log_copy_failure()
+            record["saves"] = queued
         return queued
 
     def wait_layer(self, layer_name: str) -> None:
@@ -269,10 +227,12 @@ class WorkerSide:
 
     def _load(self, op: LoadOp) -> int:
         """Write positions [op.start, op.end) from the sidecar; the end of the contiguous run written."""
+        t0 = time.perf_counter()
         with self.client.load(
             np.asarray(op.tokens, np.uint32), model=self.spec, namespace=self.namespace, budget=1.0
         ) as stream:
             positions, kv = stream.gather(self.spec)
+            t_fetched = time.perf_counter()
             # A corrupt or vanished block ends the stream early: only [start, covered) is valid.
             covered = min(int(stream.num_tokens), op.end)
             keep = (positions >= op.start) & (positions < covered)
@@ -287,6 +247,10 @@ class WorkerSide:
                 layout.scatter(self.layers, layout.from_numpy(kv), slots, self.layout)
             else:
                 self._load_to_device(layout.from_numpy(kv), slots, self.copies)
+        if self.timings.enabled:
+            done = time.perf_counter()
+            self.timings.record("load", fetch_s=t_fetched - t0, copy_s=done - t_fetched,
+                                tokens=len(positions), bytes=int(kv.nbytes))  # fmt: skip
         return covered
 
     def _load_to_device(self, kv: torch.Tensor, slots: layout.Slots, copies: CopyStream) -> None:
@@ -420,7 +384,8 @@ class WorkerSide:
                 return
             job.copied.synchronize()
         try:
-            new_blocks = self.guard.call("store", functools.partial(self._store, job))
+            with self.timings.span("store", tokens=len(job.tokens) - job.kv_start):
+                new_blocks = self.guard.call("store", functools.partial(self._store, job))
             self.saved_blocks += new_blocks or 0
         finally:
             if job.ready is not None:

@@ -90,3 +90,27 @@ def plot_quality(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_longdoc(result: dict[str, Any], path: Path) -> None:
+    """Answer quality against bytes read (summaries and top-ups included), one line per method,
+    one column per document length measured."""
+    plt = _pyplot()
+    lengths = sorted({int(k.split("_")[-3]) for k in result if k.startswith("answer_top1_engine_")})
+    rows = (("answer_top1", "answer top-1"), ("answer_kl", "answer KL"))
+    fig, axes = plt.subplots(len(rows), len(lengths), figsize=(4.5 * len(lengths), 7), squeeze=False)
+    for col, n in enumerate(lengths):
+        for row, (metric, title) in enumerate(rows):
+            ax = axes[row][col]
+            for method in ("engine", "static"):
+                tags = [t for t in ("0_1", "0_25") if f"{metric}_{method}_{n}_{t}" in result]
+                xs = [result[f"read_fraction_{method}_{n}_{t}"] for t in tags]
+                ax.plot(xs, [result[f"{metric}_{method}_{n}_{t}"] for t in tags], marker="o", label=method)
+            ax.set_title(f"{title}, {n:,} tokens")
+            ax.set_xlabel("fraction of the prefix's bytes read")
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend()
+    fig.suptitle(f"Partial prefix loads through Engine, {result.get('model', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

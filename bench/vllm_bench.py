@@ -84,6 +84,18 @@ class Timings:
         return parts
 
 
+class Setup(NamedTuple):
+    """What the kvsieve modes share: the model, the prompts, vLLM's options, the sidecar, the
+    connector's config (a function of the namespace) and its timings file."""
+
+    model: Path
+    prompts: list[list[int]]
+    options: dict[str, Any]
+    sidecar: Sidecar
+    config: Any
+    timings: Timings
+
+
 def _median(answers: list[Answer]) -> float:
     return statistics.median(a.elapsed_s for a in answers)
 
@@ -111,9 +123,10 @@ def run(quick: bool = False, concurrency: int = 0) -> dict[str, Any]:
         config = sidecar_config(sidecar, timings.path)
         sidecar.start()
         try:
-            computed, *others = _side_by_side(model, prompts, options, sidecar, config, timings)
+            setup = Setup(model, prompts, options, sidecar, config, timings)
+            computed, *others = _side_by_side(setup)
             others.append(_example_connector(model, prompts, options, Path(tmp) / "example"))
-            others += _kvsieve_restart(model, prompts, options, sidecar, config, timings)
+            others += _kvsieve_restart(setup)
             load = run_load(model, tokenizer, options, config, concurrency, quick) if concurrency else {}
         finally:
             sidecar.kill()
@@ -179,16 +192,10 @@ def _driver(model: Path, config: dict[str, Any] | None, options: dict[str, Any],
     return driver
 
 
-def _side_by_side(
-    model: Path,
-    prompts: list[list[int]],
-    options: dict[str, Any],
-    sidecar: Sidecar,
-    config: Any,
-    timings: Timings,
-) -> tuple[list[Answer], list[Answer], list[Answer]]:
+def _side_by_side(run: Setup) -> tuple[list[Answer], list[Answer], list[Answer]]:
     """(recompute, kvsieve miss, prefix-cache hit): two processes alike but for the connector,
     both with vLLM's prefix cache on, asked each new document in turn; then plain vLLM again."""
+    model, prompts, options, sidecar, config, timings = run
     from engine_adapter.vllm.driver import DriverProcess
     from kvstore.client.kvclient import KVClient
 
@@ -251,16 +258,10 @@ def _example_connector(
     return loads
 
 
-def _kvsieve_restart(
-    model: Path,
-    prompts: list[list[int]],
-    options: dict[str, Any],
-    sidecar: Sidecar,
-    config: Any,
-    timings: Timings,
-) -> list[list[Answer]]:
+def _kvsieve_restart(run: Setup) -> list[list[Answer]]:
     """Loads in a new vLLM process (its prefix cache off) of the blocks `_side_by_side` stored:
     after a sidecar restart (from LMDB), then again (from the memory tier the first reads filled)."""
+    model, prompts, options, sidecar, config, timings = run
     sidecar.kill()  # the sidecar's memory tier is gone: blocks come back from LMDB
     sidecar.start()
     driver = _driver(model, config("default"), options)

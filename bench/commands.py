@@ -33,7 +33,9 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=benchmarks(), help="which benchmark")
     p.add_argument("--json", action="store_true", help="print one JSON object (stable keys)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    p.add_argument("--plot", type=Path, help="also write a PNG plot (ttft, readamp, quality, longdoc; needs matplotlib)")
+    p.add_argument(
+        "--plot", type=Path, help="also write a PNG plot (ttft, readamp, quality, longdoc; needs matplotlib)"
+    )
     p.add_argument(
         "--concurrency",
         type=int,

@@ -85,14 +85,13 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def closed_loop(llm: Any, prompts: list[Any], params: Any, concurrency: int) -> dict[str, Any]:
-    """Send `prompts` in order, `concurrency` in flight at a time; each one's output, time to
-    first token and end time (seconds from the run's start), and the run's wall time."""
+    """Send `prompts` in order, `concurrency` in flight at a time; each one's output and time to
+    first token, and the run's wall time."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     engine = llm.llm_engine
     outputs: list[list[int]] = [[] for _ in prompts]
     ttft = [0.0] * len(prompts)
-    finished = [0.0] * len(prompts)
     in_flight: dict[str, tuple[int, float]] = {}
     t0 = time.perf_counter()
     sent = 0
@@ -106,15 +105,12 @@ def closed_loop(llm: Any, prompts: list[Any], params: Any, concurrency: int) -> 
             if key is None:
                 continue
             index, started = in_flight.pop(key)
-            now = time.perf_counter()
             outputs[index] = list(out.outputs[0].token_ids)
             latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
-            ttft[index] = latency if latency > 0 else now - started
-            finished[index] = now - t0
+            ttft[index] = latency if latency > 0 else time.perf_counter() - started
     return {
         "outputs": outputs,
         "ttft_s": ttft,
-        "finished_s": finished,
         "elapsed_s": time.perf_counter() - t0,
     }
 
@@ -217,7 +213,7 @@ class DriverProcess:
     def closed_loop(
         self, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int = 16, timeout_s: float = 600
     ) -> dict[str, Any]:
-        """A load run (`closed_loop`): {"outputs", "ttft_s", "finished_s", "elapsed_s"}."""
+        """A load run (`closed_loop`): {"outputs", "ttft_s", "elapsed_s"}."""
         request = {
             "prompts": [list(map(int, p)) for p in prompts],
             "max_tokens": max_tokens,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -37,8 +37,37 @@ BLOCK_BYTES = 8 << 20
 Index = slice | Array  # along the token axis (3) of the destination
 Copy = tuple[Array, Index, Array]  # (destination, token index, source)
 
+T = TypeVar("T")
+
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+class Destination:
+    """The array a load will be gathered into, lent to the reader before the blocks are read, so
+    that a block whose chunks must be joined anyway (a layered block joins its layers) joins them
+    here: `place_chunks` then finds those chunks in place and copies nothing (one copy of every
+    byte instead of two). Slots are claimed in stream order, as `place_chunks` fills them.
+    Not thread-safe: one load's reader owns it.
+
+    Args:
+        out: (layers, 2, heads, slots, dim), written in place.
+    """
+
+    def __init__(self, out: Array) -> None:
+        self.out = out
+        self.next_slot = 0
+
+    def claim(self, num_tokens: int) -> Array:
+        """The next `num_tokens` slots, (layers, 2, heads, num_tokens, dim), a view of `out`; they
+        are filled by the block being read and `advance` moves past them. An empty view (which fits
+        no block) once `out` is full."""
+        end = min(self.next_slot + num_tokens, self.out.shape[3])
+        return self.out[:, :, :, self.next_slot : end]
+
+    def advance(self, num_tokens: int) -> None:
+        """The block just read delivered `num_tokens` tokens, wherever it put them. Mutates."""
+        self.next_slot += num_tokens
 
 
 class Placed(NamedTuple):
@@ -123,7 +152,7 @@ def _place_group(
             (out, slice(slot + int(a), slot + int(b)), c.kv)
             for c, a, b in zip(group, starts, ends, strict=True)
         ]
-    run_copies(copies)
+    run_copies([copy for copy in copies if not _in_place(*copy)])
     parts.append(positions)
     return slot + int(ends[-1])
 
@@ -135,6 +164,18 @@ def _check_shape(chunk: LoadedChunk, out: Array) -> None:
             f"chunk {chunk.block_index}/{chunk.chunk_index} has KV shape {kv.shape}, which does not "
             f"fit a destination of shape {out.shape} with {n} tokens"
         )
+
+
+def _in_place(dst: Array, index: Index, src: Array) -> bool:
+    """Whether `src` already is `dst[:, :, :, index]` (a view of it that a `Destination` lent)."""
+    if not isinstance(index, slice) or src.dtype != dst.dtype:
+        return False
+    target = dst[:, :, :, index]
+    return (
+        target.shape == src.shape
+        and target.strides == src.strides
+        and target.__array_interface__["data"][0] == src.__array_interface__["data"][0]
+    )
 
 
 def _runs(positions: Array, starts: Array, ends: Array) -> list[bool]:
@@ -150,19 +191,33 @@ def run_copies(copies: Sequence[Copy]) -> None:
 
     The copies must write disjoint parts of their destinations.
     """
-    total = sum(src.nbytes for _, _, src in copies)
-    if total < PARALLEL_MIN_BYTES or len(copies) < 2 or not parallel_copies():
-        _copy_all(copies)
+    in_two_threads(copies, [src.nbytes for _, _, src in copies], _copy_all)
+
+
+def copy_pairs(pairs: Sequence[tuple[Array, Array]]) -> None:
+    """`dst[...] = src` for each (dst, src); in two threads when they are large (as `run_copies`).
+
+    The pairs must write disjoint arrays.
+    """
+    in_two_threads(pairs, [src.nbytes for _, src in pairs], _copy_pairs)
+
+
+def in_two_threads(items: Sequence[T], sizes: Sequence[int], work: Callable[[Sequence[T]], None]) -> None:
+    """`work(items)`, split in two halves by `sizes` (bytes) run on this thread and the pool's
+    when there is enough to copy; returns when both halves are done (re-raises their error)."""
+    total = sum(sizes)
+    if total < PARALLEL_MIN_BYTES or len(items) < 2 or not parallel_copies():
+        work(items)
         return
-    half, acc = len(copies), 0
-    for i, (_, _, src) in enumerate(copies):
-        acc += src.nbytes
+    half, acc = len(items), 0
+    for i, size in enumerate(sizes):
+        acc += size
         if 2 * acc >= total:
             half = i + 1
             break
-    future = _executor().submit(_copy_all, copies[half:])
+    future = _executor().submit(work, items[half:])
     try:
-        _copy_all(copies[:half])
+        work(items[:half])
     finally:
         future.result()  # never returns with a copy still running; re-raises its error
 
@@ -170,6 +225,11 @@ def run_copies(copies: Sequence[Copy]) -> None:
 def _copy_all(copies: Sequence[Copy]) -> None:
     for dst, index, src in copies:
         dst[:, :, :, index] = src
+
+
+def _copy_pairs(pairs: Sequence[tuple[Array, Array]]) -> None:
+    for dst, src in pairs:
+        dst[...] = src
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -75,11 +75,14 @@ class RecordFetcher:
         key = (meta.key, meta.layout_version, index)
         header = self._headers.get(key)
         if header is None or header.geometry != geometry:
-            if len(self._headers) >= _MAX_HEADERS:
-                self._headers.clear()
-            self._headers.pop(key, None)
-            header = self._headers[key] = parse_header(fetched.data, meta.chunk_id(index), geometry)
+            header = parse_header(fetched.data, meta.chunk_id(index), geometry)
+            self._keep(meta, index, header)
         return header
+
+    def _keep(self, meta: BlockMeta, index: int, header: LayerHeader) -> None:
+        if len(self._headers) >= _MAX_HEADERS:
+            self._headers.clear()
+        self._headers[(meta.key, meta.layout_version, index)] = header
 
     def forget(self, key: bytes) -> None:
         """Drop the kept headers of block `key` (the store dropped the block). Mutates."""
@@ -157,7 +160,10 @@ class RecordFetcher:
         if fetched.trusted:
             return
         raw = fetched.data if header.codec == "raw" else raw_from_chunks(header, chunks)
-        self._index.promote(meta, index, raw)
+        if self._index.promote(meta, index, raw) and header.codec == "raw":
+            # memory now holds these very bytes, whose header was just verified: the next
+            # load of them parses nothing (a re-encoded record's header differs: parsed then)
+            self._keep(meta, index, header)
 
     def _get(self, tier: Tier, meta: BlockMeta, indices: list[int]) -> list[memoryview | None]:
         if self.tiers.is_remote(tier):

@@ -19,9 +19,11 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError, decode_chunk, encode_chunk
 from kvstore.format.layered_block import stored_records
 from kvstore.index.store_index import StoreIndex
+from kvstore.load.assemble import Destination
 from kvstore.load.fetch import RecordFetcher
 from kvstore.load.plan import LoadPlan
 from kvstore.load.read_layered import load_units
+from kvstore.load.stream import BlockStream
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
@@ -49,15 +51,22 @@ class BlockReader:
         self._counters = counters
         self.layer_records = RecordFetcher(tiers, index, counters)  # the layered layout's reads
 
-    def read_blocks(self, plan: LoadPlan, model: ModelSpec) -> Iterator[list[LoadedChunk] | None]:
+    def read_blocks(self, plan: LoadPlan, model: ModelSpec) -> BlockStream:
         """Each planned block's chunks of `model`, verified whole before it is yielded. A block lost
         from every tier, corrupt, or whose records describe other geometry than its metadata and
         `model` (`geometry_mismatches`) yields None, is forgotten by the index (every local tier
-        drops it), and ends the iteration."""
+        drops it), and ends the iteration. The caller may lend the stream a `Destination`."""
+        stream = BlockStream()
+        stream.blocks = self._read_blocks(plan, model, stream)
+        return stream
+
+    def _read_blocks(
+        self, plan: LoadPlan, model: ModelSpec, stream: BlockStream
+    ) -> Iterator[list[LoadedChunk] | None]:
         prefetch = _Prefetch(self.tiers.local_durable, plan)
         for block_index, (meta, indices) in enumerate(zip(plan.blocks, plan.chunks, strict=True)):
             try:
-                chunks = self._read_block(meta, block_index, indices, prefetch, model)
+                chunks = self._read_block(meta, block_index, indices, prefetch, model, stream.destination)
                 failure = "chunk_misses" if chunks is None else ""
             except GeometryError:
                 chunks, failure = None, "geometry_mismatches"
@@ -69,17 +78,22 @@ class BlockReader:
                 self._index.forget(meta.key)
                 yield None
                 return
+            if stream.destination is not None:
+                stream.destination.advance(sum(len(c.positions) for c in chunks))
             yield chunks
 
     def _read_block(
-        self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch, model: ModelSpec
-    ) -> list[LoadedChunk] | None:
-        """The planned units of a block: its chunks, or a layered block's chunks of every layer."""
+        self, meta: BlockMeta, block_index: int, units: list[int], prefetch: _Prefetch, model: ModelSpec,
+        destination: Destination | None,
+    ) -> list[LoadedChunk] | None:  # fmt: skip
+        """The planned units of a block: its chunks, or a layered block's chunks of every layer
+        (joined in `destination` when one is lent)."""
         if not meta.is_layered:
             return self.read_records(meta, block_index, indices=units, model=model, prefetch=prefetch)
         if not all(self.tiers.memory.has_chunk(meta.key, i) for i in stored_records(meta, units)):
             prefetch.start(block_index)
-        return load_units(self.layer_records, meta, block_index, units, model)
+        into = None if destination is None else destination.claim(len(units) * meta.chunk_tokens)
+        return load_units(self.layer_records, meta, block_index, units, model, into)
 
     def read_records(
         self, meta: BlockMeta, block_index: int, indices: list[int], model: ModelSpec,

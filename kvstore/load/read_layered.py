@@ -24,6 +24,7 @@ from kvstore.format.layer_record import (
     parse_header,
 )
 from kvstore.format.layered_block import layer_geometry
+from kvstore.load.assemble import copy_pairs
 from kvstore.load.fetch import Fetched, RecordFetcher
 from kvstore.model import ModelSpec
 from kvstore.values import Array, LoadedChunk
@@ -44,14 +45,21 @@ def reads_whole(needed: int, chunks_per_layer: int) -> bool:
 
 
 def load_units(
-    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int], model: ModelSpec
-) -> list[LoadedChunk] | None:
+    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int], model: ModelSpec,
+    into: Array | None = None,
+) -> list[LoadedChunk] | None:  # fmt: skip
     """One all-layer `LoadedChunk` per unit (chunk u of every layer), bit-exact, or None if a
     layer record is in no tier. Each layer record is read whole when memory holds them all (a
     view: nothing is copied but the chosen chunks) or when the load needs more than
     every chunk (`reads_whole`; then promoted to memory), else as its header and the
     chosen chunks' byte ranges. Raises ChecksumError on a corrupt local record (GeometryError on
     one whose header describes other geometry than `meta` and `model` imply).
+
+    `into`: where the caller will copy the units to, (layers, 2, heads, len(units) * chunk
+    tokens, dim) in the records' dtype (a slice of its destination, kvstore/load/assemble.py
+    `Destination`). The chosen chunks are then copied there, unit i at tokens [i * c, (i + 1) * c),
+    and each unit's KV is a view of it: the caller's copy finds them in place and copies
+    nothing. Without it each unit's KV is a view of one new array of the block's units.
 
     A unit's `nbytes` are its chunks' stored bytes; the first unit also carries what was read
     beside them (headers, and the other chunks of a record read whole from a slower tier);
@@ -64,8 +72,9 @@ def load_units(
     indices = _layer_indices(meta)
     whole = reads_whole(len(set(units)), meta.chunks_per_layer) or fetcher.all_in_memory(meta, indices)
     parts = fetcher.whole_records(meta, indices, model) if whole else None
-    in_order = len(units) == meta.chunks_per_layer and bool(np.all(order == np.arange(len(units))))
+    runs = _runs(order)
     out: Array | None = None
+    copies: list[tuple[Array, Array]] = []  # (part of out, chunks), made once every layer is read
     lengths: list[list[int]] = []
     read = 0  # bytes read beside the chosen chunks
     tiers: set[str] = set()
@@ -78,23 +87,57 @@ def load_units(
             return None
         chunks, layer_lengths, overhead, tier = got
         if out is None:
-            out = np.empty((layers, len(units), *chunks.shape[1:]), chunks.dtype)
-        if in_order:  # one copy of the chosen chunks, into contiguous memory
-            out[layer] = chunks
-        else:
-            np.take(chunks, order, axis=0, out=out[layer], mode="clip")  # (raise: buffered, slower)
+            out = _units_array(into, layers, len(units), chunks)
+        copies.extend(_run_copies(_layer_units(out, into is out, layer, len(units)), chunks, runs))
         lengths.append(layer_lengths)
         read += overhead
         tiers.add(tier)
     assert out is not None
+    copy_pairs(copies)  # in two threads: the block's layers are 6 MB for SmolLM2
     tier = next((t for t in tiers if t != "memory"), "memory")
     per_unit = np.asarray(lengths, np.int64)[:, order].sum(axis=0)
     per_unit[0] += read
     positions = meta.start + order[:, None] * c + np.arange(c, dtype=np.int64)
+    if into is out:  # unit i is tokens [i * c, (i + 1) * c) of the caller's destination
+        kvs = [out[:, :, :, i * c : (i + 1) * c] for i in range(len(units))]
+    else:
+        kvs = [out[:, i] for i in range(len(units))]
     return [
-        LoadedChunk(block_index, u, positions[i], out[:, i], tier, nbytes)
+        LoadedChunk(block_index, u, positions[i], kvs[i], tier, nbytes)
         for i, (u, nbytes) in enumerate(zip(order.tolist(), per_unit.tolist(), strict=True))
     ]
+
+
+def _units_array(into: Array | None, layers: int, num_units: int, chunks: Array) -> Array:
+    """`into` if the chunks fit it as they are (shape and dtype), else a new array of the units,
+    (layers, units, 2, heads, c, dim): each unit's layers then lie in contiguous runs."""
+    _, two, heads, c, dim = chunks.shape
+    fits = into is not None and into.shape == (layers, two, heads, num_units * c, dim)
+    if fits and into is not None and into.dtype == chunks.dtype:
+        return into
+    return np.empty((layers, num_units, *chunks.shape[1:]), chunks.dtype)
+
+
+def _layer_units(out: Array, token_major: bool, layer: int, num_units: int) -> Array:
+    """Layer `layer` of `out` as (units, 2, heads, c, dim), a view (no copy is made)."""
+    if not token_major:
+        return out[layer]
+    two, heads, tokens, dim = out.shape[1:]
+    return out[layer].reshape(two, heads, num_units, tokens // num_units, dim).transpose(2, 0, 1, 3, 4)
+
+
+def _runs(order: Array) -> list[tuple[int, int, int]]:
+    """(first unit, first chunk, count) per run of consecutive chunk numbers in `order`: a run is
+    one strided copy (a full load in order is one run per layer)."""
+    breaks = np.flatnonzero(np.diff(order) != 1) + 1
+    starts = np.concatenate(([0], breaks)).tolist()
+    ends = [*breaks.tolist(), len(order)]
+    return [(a, int(order[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+
+
+def _run_copies(dest: Array, chunks: Array, runs: list[tuple[int, int, int]]) -> list[tuple[Array, Array]]:
+    """(dest part, chunks part) per run: copied, they make dest[i] = chunks[order[i]] for every unit i."""
+    return [(dest[first : first + count], chunks[chunk : chunk + count]) for first, chunk, count in runs]
 
 
 def _layer_indices(meta: BlockMeta) -> list[int]:
@@ -125,7 +168,10 @@ def _whole_layer(
     fetcher.promote(meta, index, fetched, header, chunks)
     if fetched.trusted:  # memory hands out a view: only the header and the chosen chunks are touched
         return chunks, header.lengths, header.size, fetched.tier
-    chosen = sum(header.lengths[u] for u in set(order.tolist()))
+    if len(order) == header.num_chunks and len(set(order.tolist())) == len(order):
+        chosen = header.total_bytes - header.size  # every chunk
+    else:
+        chosen = sum(header.lengths[u] for u in set(order.tolist()))
     return chunks, header.lengths, len(fetched.data) - chosen, fetched.tier
 
 

@@ -8,9 +8,24 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from kvstore.load.assemble import place_chunks
+from kvstore.load.assemble import Destination, place_chunks
 from kvstore.model import ModelSpec
 from kvstore.values import Array, LoadedChunk
+
+
+class BlockStream(Iterator[list[LoadedChunk] | None]):
+    """`BlockReader.read_blocks`: each block's chunks, or None for a lost block (which ends it).
+
+    `destination`: set by the consumer before it reads on, the array the rest of the stream will
+    be gathered into (`LocalLoadStream.gather`); a layered block joins its layers there.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: Iterator[list[LoadedChunk] | None] = iter(())
+        self.destination: Destination | None = None
+
+    def __next__(self) -> list[LoadedChunk] | None:
+        return next(self.blocks)
 
 
 class LocalLoadStream:
@@ -33,7 +48,7 @@ class LocalLoadStream:
         selected_tokens: int,
         token_bytes: int,
         block_tokens: int,
-        blocks: Iterator[list[LoadedChunk] | None],
+        blocks: Iterator[list[LoadedChunk] | None],  # a BlockStream lets `gather` lend its array
         on_finish: Callable[[LocalLoadStream], None] = lambda stream: None,
         prefix_bytes: int = 0,
         estimated_coverage: float = 1.0,
@@ -91,8 +106,29 @@ class LocalLoadStream:
         return chunk
 
     def gather(self, model: ModelSpec) -> tuple[Array, Array]:
-        """Read the rest of the stream into (positions (n,), kv (layers, 2, heads, n, dim))."""
-        return gather_chunks(list(self), model)
+        """Read the rest of the stream into (positions (n,), kv (layers, 2, heads, n, dim)).
+
+        The array is made before the rest is read and lent to the reader (a `Destination`), so that
+        blocks whose chunks are joined while read (the layered layout's) are joined in it and
+        copied once; it is sized for the selected tokens not yet delivered (fewer if a block is lost).
+        """
+        if self._pending or not isinstance(self._blocks, BlockStream) or self._on_finish is None:
+            return gather_chunks(list(self), model)
+        rest = self.selected_tokens - self.delivered_tokens
+        destination = Destination(np.empty(model.kv_shape(max(rest, 0)), model.np_dtype))
+        self._blocks.destination = destination
+        try:
+            listed = list(self)
+        finally:
+            self._blocks.destination = None
+        num_tokens = sum(len(c.positions) for c in listed)
+        if num_tokens > destination.out.shape[3]:  # more than planned (never expected): no lending
+            return gather_chunks(listed, model)
+        kv = destination.out[:, :, :, :num_tokens]
+        placed = place_chunks(listed, kv, at_positions=False)  # what is in place is not copied
+        if num_tokens < destination.out.shape[3]:  # a lost block ended the stream early
+            kv = np.ascontiguousarray(kv)
+        return placed.positions, kv
 
     def close(self) -> None:
         """Stop reading; the chunks already read stay valid. Idempotent."""

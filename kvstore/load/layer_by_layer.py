@@ -3,7 +3,7 @@
 `open_layered` takes the leading run of matched blocks stored in the layered layout
 (kvstore/load/read_layered.py) and pins them until the load is closed. `key_summary`
 reads one summary record per block of a layer (fastest tier first, promoted to
-memory); `read_layer` reads the chosen chunks of each block's layer record: the whole
+memory when the load closes); `read_layer` reads the chosen chunks of each block's layer record: the whole
 record (promoted) when it wants every chunk, else the record's header (verified and
 kept for the load's lifetime) and the chunks' byte ranges (not promoted). A record
 that fails its checksum makes the store forget its block (as `load` does) and raises ChecksumError;
@@ -28,7 +28,7 @@ from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFo
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError
 from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
-from kvstore.format.layer_record import decode_layer_record
+from kvstore.format.layer_record import decode_layer_record, decode_run, header_bytes, parse_header
 from kvstore.format.layered_block import layer_geometry, summary_geometry
 from kvstore.load.ahead import LayersAhead
 from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, reads_whole
@@ -104,6 +104,10 @@ class LocalLayeredLoad:
         self._summary_records: dict[tuple[str, bytes], list[bytes | None]] = {}
         self._ahead: LayersAhead[Array] | None = None  # summaries read ahead (`key_summary`)
         self._ahead_next = 0  # the first layer the thread still owes
+        # summaries read from a slower tier, promoted to memory when the load closes: off the
+        # prefill's path (480 promotions of a 4,096-token prefix cost ~40 ms of a core there)
+        self._promote_later: list[tuple[BlockMeta, int, bytes]] = []
+        self._lost: set[bytes] = set()  # blocks forgotten meanwhile: nothing of theirs is promoted
         self._lock = threading.Lock()  # the reader thread and the caller both count and cache
 
     @property
@@ -139,20 +143,9 @@ class LocalLayeredLoad:
         return keys
 
     def _read_ahead(self, layer: int) -> Array:
-        """The reader thread's work for `layer`: its decoded summary, then every block's layer
-        record header (verified), so that `read_layer` reads only the chosen chunks' ranges. A
-        header that fails here is left for `read_layer` to read and report (only chosen blocks'
-        headers matter)."""
-        keys = self._decoded_summary(layer)
-        for block_index, meta in enumerate(self._metas):
-            if (block_index, layer) in self._headers or meta.chunks_per_layer <= 1:
-                continue
-            with contextlib.suppress(KVSieveError):
-                head = read_header(self._fetcher, meta, meta.record_index(layer, 0), self._model)
-                if head is not None:
-                    self._headers[(block_index, layer)] = head
-                    self._count_read(head.header.size)
-        return keys
+        """The reader thread's work for `layer`: its decoded summary. (Layer record headers are read
+        with the chosen chunks, in one read: `_read_with_header`.)"""
+        return self._decoded_summary(layer)
 
     def _decoded_summary(self, layer: int) -> Array:
         return dequantize(self.lowbit_summary(layer))
@@ -175,20 +168,22 @@ class LocalLayeredLoad:
         self._check_layer(layer)
         wanted = self._check_chunks(chunks)
         per_block = self._metas[0].chunks_per_layer if self._metas else 1
-        kvs: list[Array] = []
-        positions: list[Array] = []
+        chosen = np.asarray(wanted, dtype=np.int64)
+        # sorted: each block's chunks are one slice (no scan of every chunk per block)
+        bounds = np.searchsorted(chosen // per_block, np.arange(len(self._metas) + 1))
+        c, model = self.chunk_tokens, self._model
+        kv = np.empty((2, model.num_kv_heads, len(chosen) * c, model.head_dim), model.np_dtype)
+        starts: list[Array] = [np.zeros(0, np.int64)]
         for block_index, meta in enumerate(self._metas):
-            mine = [c - block_index * per_block for c in wanted if c // per_block == block_index]
-            if mine:
-                kvs.append(self._read_block_layer(meta, block_index, layer, mine))
-                positions += [meta.start + c * meta.chunk_tokens + np.arange(meta.chunk_tokens) for c in mine]
+            a, b = int(bounds[block_index]), int(bounds[block_index + 1])
+            if a < b:  # each block's chunks go straight to their slice: one copy of the KV
+                local = chosen[a:b] - block_index * per_block
+                self._read_block_layer(meta, block_index, layer, local.tolist(), kv[:, :, a * c : b * c])
+                starts.append(meta.start + local * meta.chunk_tokens)
         self._layers_read.add(layer)
-        if not kvs:
-            shape = (2, self._model.num_kv_heads, 0, self._model.head_dim)
-            return LayerSlice(np.zeros(0, np.int64), np.zeros(shape, self._model.np_dtype))
-        kv = np.concatenate(kvs, axis=2)
         self.delivered_tokens += kv.shape[2]
-        return LayerSlice(np.concatenate(positions).astype(np.int64), kv)
+        positions = (np.concatenate(starts)[:, None] + np.arange(c, dtype=np.int64)).reshape(-1)
+        return LayerSlice(positions, kv)
 
     @property
     def pinned_keys(self) -> tuple[bytes, ...]:
@@ -199,6 +194,11 @@ class LocalLayeredLoad:
         """Stop reading ahead, then release the pin: exactly the nodes `open_layered` pinned. Idempotent."""
         if self._ahead is not None:
             self._ahead.stop()
+        with self._lock:
+            later, self._promote_later = self._promote_later, []
+        for meta, index, data in later:
+            if meta.key not in self._lost:
+                self._index.promote(meta, index, data)
         pin, self._pinned = self._pinned, None
         if pin is not None:
             self._index.tree.unpin(pin)
@@ -224,8 +224,11 @@ class LocalLayeredLoad:
             raise InvalidInputError(f"chunks must not repeat an index, got {sorted(values)}")
         return sorted(int(c) for c in values)
 
-    def _read_block_layer(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array:
-        """Sorted local chunks `mine` of one block's layer record: (2, kv_heads, n * c, head_dim)."""
+    def _read_block_layer(
+        self, meta: BlockMeta, block_index: int, layer: int, mine: list[int], into: Array
+    ) -> None:
+        """Sorted local chunks `mine` of one block's layer record, copied into `into`
+        (2, kv_heads, len(mine) * chunk_tokens, head_dim)."""
         try:
             chunks = self._layer_chunks(meta, block_index, layer, mine)
         except GeometryError as exc:
@@ -237,10 +240,18 @@ class LocalLayeredLoad:
         if chunks is None:
             self._lose(meta, "chunk_misses")
             raise NotFoundError(f"block {meta.key.hex()}: the record of layer {layer} is in no tier")
-        n, _, heads, c, dim = chunks.shape
-        return chunks.transpose(1, 2, 0, 3, 4).reshape(2, heads, n * c, dim)
+        _, heads, _, dim = into.shape
+        done = 0
+        for part in chunks:  # runs of (n, 2, heads, c, dim) chunks, in order
+            n, c = part.shape[0], part.shape[3]
+            target = into[:, :, done * c : (done + n) * c].reshape(2, heads, n, c, dim)  # a view
+            target[...] = part.transpose(1, 2, 0, 3, 4)
+            done += n
 
-    def _layer_chunks(self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]) -> Array | None:
+    def _layer_chunks(
+        self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]
+    ) -> list[Array] | None:
+        """Chunks `mine` as runs of (n, 2, kv_heads, c, head_dim) arrays, in order; None: in no tier."""
         index, fetcher = meta.record_index(layer, 0), self._fetcher
         if reads_whole(len(mine), meta.chunks_per_layer):
             found = fetcher.whole_records(meta, [index], self._model)
@@ -252,7 +263,11 @@ class LocalLayeredLoad:
             )
             fetcher.promote(meta, index, found[0], header, chunks)
             self._count_read(len(found[0].data))
-            return chunks[mine]
+            return [chunks[mine]]
+        if (block_index, layer) not in self._headers:
+            together = self._read_with_header(meta, block_index, layer, mine)
+            if together is not None:
+                return together
         for _attempt in range(2):  # a cached header's tier may have dropped the record since
             head = self._headers.get((block_index, layer))
             if head is None:
@@ -267,11 +282,51 @@ class LocalLayeredLoad:
                 continue
             runs, nbytes = got
             self._count_read(nbytes)
-            return np.concatenate([run for _, run in runs])
+            return [run for _, run in runs]
         return None
 
+    def _read_with_header(
+        self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]
+    ) -> list[Array] | None:
+        """Chunks `mine` and the record's header in one ranged read, the chunks' byte ranges
+        computed as an uncompressed record lays them out; the header (verified, then kept for the
+        load) must agree, else None and the caller reads by the header (a zstd record). None also
+        when no tier holds the record or a remote header fails its checks (a miss there).
+
+        One read per block and layer on the prefill's path instead of a header read (480 at
+        4,096 tokens, ~60 ms of a core) and then the chunks' (issue #27, item 5).
+        """
+        index, model = meta.record_index(layer, 0), self._model
+        size = header_bytes(meta.chunks_per_layer)
+        chunk_bytes = 2 * model.num_kv_heads * meta.chunk_tokens * model.head_dim * model.itemsize
+        runs = _adjacent_runs(mine)
+        spans = [(size + a * chunk_bytes, size + (b + 1) * chunk_bytes) for a, b in runs]
+        got = self._fetcher.ranges(meta, index, [(0, size), *spans])
+        if got is None:
+            return None
+        try:
+            header = parse_header(got.data[0], meta.chunk_id(index), layer_geometry(meta, layer, model))
+        except ChecksumError as exc:
+            if self._fetcher.refuse_remote(got.tier, meta, exc):
+                return None
+            raise
+        self._headers[(block_index, layer)] = RangedHeader(header, got.tier)
+        self._count_read(len(got.data[0]))
+        laid_out = [
+            (size + a * chunk_bytes, size + (b + 1) * chunk_bytes, list(range(a, b + 1))) for a, b in runs
+        ]
+        if header.codec != "raw" or header.ranges(mine) != laid_out:
+            return None
+        parts = [
+            decode_run(header, data, members, got.trusted)
+            for (_, _, members), data in zip(laid_out, got.data[1:], strict=True)
+        ]
+        self._count_read(sum(len(d) for d in got.data[1:]))
+        return parts
+
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
-        """One summary record, fastest tier first, verified; promoted to memory from a slower tier."""
+        """One summary record, fastest tier first, verified; promoted to memory from a slower tier
+        when the load closes."""
         index = meta.record_index(layer)
         for tier in self._fetcher.tiers.all:
             data = self._summary_record(tier, meta, layer)
@@ -289,7 +344,8 @@ class LocalLayeredLoad:
             self._count_read(len(data))
             self._counters.add_many({f"summary_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
             if tier is not self._fetcher.tiers.memory:
-                self._index.promote(meta, index, bytes(data))
+                with self._lock:
+                    self._promote_later.append((meta, index, bytes(data)))
             return summary
         self._lose(meta, "chunk_misses")
         raise NotFoundError(f"block {meta.key.hex()}: the summary of layer {layer} is in no tier")
@@ -321,9 +377,22 @@ class LocalLayeredLoad:
             self.bytes_read += nbytes
 
     def _lose(self, meta: BlockMeta, counter: str) -> None:
+        with self._lock:
+            self._lost.add(meta.key)
         self._counters.add(counter)
         self._fetcher.forget(meta.key)
         self._index.forget(meta.key)
+
+
+def _adjacent_runs(chunks: list[int]) -> list[tuple[int, int]]:
+    """(first, last) of each run of consecutive numbers in sorted `chunks`."""
+    runs: list[tuple[int, int]] = []
+    for c in chunks:
+        if runs and runs[-1][1] == c - 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return runs
 
 
 def _joined(parts: list[LowBitKeys], model: ModelSpec) -> LowBitKeys:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
-from kvstore.format.key_summary import SummaryGeometry, encode_summary, is_summary
+from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
 from kvstore.format.layer_record import (
     LayerGeometry,
     encode_layer_record,
@@ -35,7 +35,7 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
         kv: the block's KV in prompt order, (layers, 2, kv_heads, block_tokens, head_dim).
         dtype: the model's dtype name; codec and zstd_level: as kvstore.format.chunk.encode_chunk.
     """
-    records = [encode_summary(meta.chunk_id(layer), kv[layer, 0]) for layer in range(meta.num_layers)]
+    records = encode_summaries([meta.chunk_id(layer) for layer in range(meta.num_layers)], kv[:, 0])
     for layer in range(meta.num_layers):
         cid = meta.chunk_id(meta.record_index(layer, 0))
         records.append(encode_layer_record(cid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level))

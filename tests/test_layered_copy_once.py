@@ -1,0 +1,124 @@
+"""A layered full load copies every byte once: `gather` lends its array to the reader (a
+`Destination`), a layered block joins its layers there, and `place_chunks` skips what is in place.
+
+Real LMDB under tmp_path; the kept headers of a cold load; the batched key summaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidInputError
+from kvstore.format.chunk import ChunkId
+from kvstore.format.key_summary import encode_summaries, encode_summary
+from kvstore.load.assemble import Destination, place_chunks
+from kvstore.load.stream import BlockStream
+from kvstore.store.tiered import TieredStore
+from kvstore.values import LoadedChunk
+from tests.conftest import TINY, make_kv, make_tokens
+
+B, C = 32, 8  # block tokens; tokens per per-layer chunk
+N = 3 * B
+Array = np.ndarray[Any, Any]
+
+
+def _config(tmp_path: Path, layout: str = "layered") -> StoreConfig:
+    return StoreConfig(
+        data_dir=tmp_path / "data", block_tokens=B, chunk_tokens=16, memory_bytes=64 << 20,
+        layout=layout, layer_chunk_tokens=C,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Iterator[tuple[TieredStore, Array, Array]]:
+    """A layered prefix of 3 blocks, written, then read by a restarted store (memory empty)."""
+    toks, kv = make_tokens(N, 0), make_kv(TINY, N, 0)
+    scores = np.random.default_rng(7).random(N).astype(np.float32)
+    with TieredStore(_config(tmp_path)) as store:
+        store.store(toks, kv, model=TINY, scores=scores)
+    with TieredStore(_config(tmp_path)) as store:
+        yield store, toks, kv
+
+
+def _in_prompt_order(positions: Array, kv: Array) -> Array:
+    return np.take(kv, np.argsort(positions), axis=3)
+
+
+def test_a_lent_destination_receives_every_layered_chunk(stored: tuple[TieredStore, Array, Array]) -> None:
+    store, toks, kv = stored
+    for _ in range(2):  # cold (from LMDB, promoted), then warm (from memory)
+        stream = store.load(toks, model=TINY)
+        blocks = stream._blocks
+        assert isinstance(blocks, BlockStream)
+        destination = Destination(np.empty(TINY.kv_shape(N), TINY.np_dtype))
+        blocks.destination = destination
+        chunks = list(stream)
+        assert len(chunks) == N // C and destination.next_slot == N
+        assert all(np.shares_memory(c.kv, destination.out) for c in chunks)
+        destination.out.flags.writeable = False  # place_chunks must write nothing: all is in place
+        placed = place_chunks(chunks, destination.out, at_positions=False)
+        assert placed.num_tokens == N
+        np.testing.assert_array_equal(_in_prompt_order(placed.positions, destination.out), kv)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+def test_gather_is_bit_exact_cold_and_warm(stored: tuple[TieredStore, Array, Array], budget: float) -> None:
+    store, toks, kv = stored
+    for _ in range(2):
+        num_tokens, positions, out = store.load_arrays(toks, model=TINY, budget=budget)
+        assert num_tokens == N and out.flags.c_contiguous
+        np.testing.assert_array_equal(out, kv[:, :, :, positions])
+        assert len(positions) == N if budget == 1.0 else len(positions) < N
+
+
+def test_chunks_read_without_a_destination_are_their_own(stored: tuple[TieredStore, Array, Array]) -> None:
+    store, toks, kv = stored
+    chunks = list(store.load(toks, model=TINY))
+    out = np.empty(TINY.kv_shape(N), TINY.np_dtype)
+    assert not any(np.shares_memory(c.kv, out) for c in chunks)
+    placed = place_chunks(chunks, out, at_positions=False)
+    np.testing.assert_array_equal(_in_prompt_order(placed.positions, out), kv)
+
+
+def test_a_chunk_lent_at_another_slot_is_copied() -> None:
+    out = np.zeros((2, 2, 1, 8, 3), np.float16)
+    out[:, :, :, 4:8] = 1.0
+    moved = LoadedChunk(0, 0, np.arange(4), out[:, :, :, 4:8], "memory", 0)  # at slots 4..8, goes to 0..4
+    place_chunks([moved], out, at_positions=False)
+    assert np.all(out[:, :, :, :4] == 1.0)
+
+
+def test_a_cold_load_keeps_the_headers_it_verified(stored: tuple[TieredStore, Array, Array]) -> None:
+    store, toks, _ = stored
+    kept = store.reader.layer_records._headers
+    assert not kept
+    store.load_arrays(toks, model=TINY)
+    layer_records = {(key, index) for key, _, index in kept}
+    assert len(layer_records) == 3 * TINY.num_layers  # every layer record promoted, its header kept
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+def test_summaries_of_a_block_are_the_bytes_of_one_layer_at_a_time(bits: int) -> None:
+    keys = make_kv(TINY, B, 3)[:, 0]  # (layers, kv heads, tokens, head dim)
+    ids = [ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 1, layer) for layer in range(len(keys))]
+    assert encode_summaries(ids, keys, bits) == [
+        encode_summary(i, k, bits) for i, k in zip(ids, keys, strict=True)
+    ]
+    odd = (
+        np.random.default_rng(bits).standard_normal((2, 1, 7, 5)).astype(np.float16)
+    )  # 35 codes: no whole bytes
+    assert encode_summaries(ids[:2], odd, bits) == [encode_summary(ids[i], odd[i], bits) for i in range(2)]
+
+
+def test_summaries_refuse_keys_of_another_shape() -> None:
+    ids = [ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 1, 0)]
+    with pytest.raises(InvalidInputError, match="1 layers"):
+        encode_summaries(ids, np.zeros((2, 1, 4, 4), np.float16))
+    with pytest.raises(InvalidInputError, match="finite"):
+        encode_summaries(ids, np.full((1, 1, 4, 4), np.nan, np.float16))

@@ -241,12 +241,9 @@ class LocalLayeredLoad:
             self._lose(meta, "chunk_misses")
             raise NotFoundError(f"block {meta.key.hex()}: the record of layer {layer} is in no tier")
         _, heads, _, dim = into.shape
-        done = 0
-        for part in chunks:  # runs of (n, 2, heads, c, dim) chunks, in order
-            n, c = part.shape[0], part.shape[3]
-            target = into[:, :, done * c : (done + n) * c].reshape(2, heads, n, c, dim)  # a view
-            target[...] = part.transpose(1, 2, 0, 3, 4)
-            done += n
+        joined = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # (n, 2, heads, c, dim)
+        n, c = joined.shape[0], joined.shape[3]
+        into.reshape(2, heads, n, c, dim)[...] = joined.transpose(1, 2, 0, 3, 4)  # splits an axis: a view
 
     def _layer_chunks(
         self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]

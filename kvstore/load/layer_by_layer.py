@@ -108,6 +108,8 @@ class LocalLayeredLoad:
         # prefill's path (480 promotions of a 4,096-token prefix cost ~40 ms of a core there)
         self._promote_later: list[tuple[BlockMeta, int, bytes]] = []
         self._lost: set[bytes] = set()  # blocks forgotten meanwhile: nothing of theirs is promoted
+        # header and chunks in one read (`_read_with_header`) until a record turns out compressed
+        self._raw_records = True
         self._lock = threading.Lock()  # the reader thread and the caller both count and cache
 
     @property
@@ -261,7 +263,7 @@ class LocalLayeredLoad:
             fetcher.promote(meta, index, found[0], header, chunks)
             self._count_read(len(found[0].data))
             return [chunks[mine]]
-        if (block_index, layer) not in self._headers:
+        if self._raw_records and (block_index, layer) not in self._headers:
             together = self._read_with_header(meta, block_index, layer, mine)
             if together is not None:
                 return together
@@ -288,7 +290,8 @@ class LocalLayeredLoad:
         """Chunks `mine` and the record's header in one ranged read, the chunks' byte ranges
         computed as an uncompressed record lays them out; the header (verified, then kept for the
         load) must agree, else None and the caller reads by the header (a zstd record). None also
-        when no tier holds the record or a remote header fails its checks (a miss there).
+        when no tier holds the record or a remote header fails its checks (a miss there). What was
+        read counts in `bytes_read` either way; after a compressed record the load stops guessing.
 
         One read per block and layer on the prefill's path instead of a header read (480 at
         4,096 tokens, ~60 ms of a core) and then the chunks' (issue #27, item 5).
@@ -308,17 +311,17 @@ class LocalLayeredLoad:
                 return None
             raise
         self._headers[(block_index, layer)] = RangedHeader(header, got.tier)
-        self._count_read(len(got.data[0]))
+        self._count_read(sum(len(d) for d in got.data))
         laid_out = [
             (size + a * chunk_bytes, size + (b + 1) * chunk_bytes, list(range(a, b + 1))) for a, b in runs
         ]
         if header.codec != "raw" or header.ranges(mine) != laid_out:
+            self._raw_records = False  # compressed: this load reads by the header from now on
             return None
         parts = [
             decode_run(header, data, members, got.trusted)
             for (_, _, members), data in zip(laid_out, got.data[1:], strict=True)
         ]
-        self._count_read(sum(len(d) for d in got.data[1:]))
         return parts
 
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:

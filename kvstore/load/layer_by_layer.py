@@ -2,15 +2,18 @@
 
 `open_layered` takes the leading run of matched blocks stored in the layered layout
 (kvstore/load/read_layered.py) and pins them until the load is closed. `key_summary`
-reads one summary record per block of a layer (fastest tier first, promoted to
-memory when the load closes); `read_layer` reads the chosen chunks of each block's layer record: the whole
-record (promoted) when it wants every chunk, else the record's header (verified and
-kept for the load's lifetime) and the chunks' byte ranges (not promoted). A record
-that fails its checksum makes the store forget its block (as `load` does) and raises ChecksumError;
-one whose header describes other geometry than the block's metadata and the model (chunk size,
-chunk count, layer, dtype, kv heads, head dim) is counted in `geometry_mismatches`, its block
-forgotten the same way, and raises GeometryError (a ChecksumError). A remote record that fails is
-a miss (deleted there), so the block then is in no tier: NotFoundError.
+reads one summary record per block of a layer (fastest tier first; promoted to memory
+when the load closes). `read_layer` reads the chosen chunks of each block's layer
+record: the whole record (promoted) when it wants every chunk, else the record's header
+(verified and kept for the load's lifetime) and the chunks' byte ranges (not promoted),
+in one read while the records are uncompressed.
+
+A record that fails its checksum makes the store forget its block (as `load` does) and
+raises ChecksumError; one whose header describes other geometry than the block's metadata
+and the model (chunk size, chunk count, layer, dtype, kv heads, head dim) is counted in
+`geometry_mismatches`, its block forgotten the same way, and raises GeometryError (a
+ChecksumError). A remote record that fails is a miss (deleted there), so the block then
+is in no tier: NotFoundError.
 """
 
 from __future__ import annotations

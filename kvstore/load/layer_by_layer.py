@@ -31,10 +31,10 @@ from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFo
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError
 from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
-from kvstore.format.layer_record import decode_layer_record, decode_run, header_bytes, parse_header
+from kvstore.format.layer_record import decode_layer_record
 from kvstore.format.layered_block import layer_geometry, summary_geometry
 from kvstore.load.ahead import LayersAhead
-from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, reads_whole
+from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, read_raw_runs, reads_whole
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array, check_layer
@@ -111,7 +111,7 @@ class LocalLayeredLoad:
         # prefill's path (480 promotions of a 4,096-token prefix cost ~40 ms of a core there)
         self._promote_later: list[tuple[BlockMeta, int, bytes]] = []
         self._lost: set[bytes] = set()  # blocks forgotten meanwhile: nothing of theirs is promoted
-        # header and chunks in one read (`_read_with_header`) until a record turns out compressed
+        # header and chunks in one read (`read_raw_runs`) until a record turns out compressed
         self._raw_records = True
         self._lock = threading.Lock()  # the reader thread and the caller both count and cache
 
@@ -149,7 +149,7 @@ class LocalLayeredLoad:
 
     def _read_ahead(self, layer: int) -> Array:
         """The reader thread's work for `layer`: its decoded summary. (Layer record headers are read
-        with the chosen chunks, in one read: `_read_with_header`.)"""
+        with the chosen chunks, in one read: `read_raw_runs`.)"""
         return self._decoded_summary(layer)
 
     def _decoded_summary(self, layer: int) -> Array:
@@ -266,10 +266,14 @@ class LocalLayeredLoad:
             fetcher.promote(meta, index, found[0], header, chunks)
             self._count_read(len(found[0].data))
             return [chunks[mine]]
-        if self._raw_records and (block_index, layer) not in self._headers:
-            together = self._read_with_header(meta, block_index, layer, mine)
-            if together is not None:
-                return together
+        if self._raw_records and (block_index, layer) not in self._headers:  # header and chunks at once
+            raw = read_raw_runs(fetcher, meta, index, mine, self._model)
+            if raw is not None:
+                self._headers[(block_index, layer)] = raw.head
+                self._count_read(raw.nbytes)
+                if raw.runs is not None:
+                    return raw.runs
+                self._raw_records = False  # compressed: this load reads by the header from now on
         for _attempt in range(2):  # a cached header's tier may have dropped the record since
             head = self._headers.get((block_index, layer))
             if head is None:
@@ -286,46 +290,6 @@ class LocalLayeredLoad:
             self._count_read(nbytes)
             return [run for _, run in runs]
         return None
-
-    def _read_with_header(
-        self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]
-    ) -> list[Array] | None:
-        """Chunks `mine` and the record's header in one ranged read, the chunks' byte ranges
-        computed as an uncompressed record lays them out; the header (verified, then kept for the
-        load) must agree, else None and the caller reads by the header (a zstd record). None also
-        when no tier holds the record or a remote header fails its checks (a miss there). What was
-        read counts in `bytes_read` either way; after a compressed record the load stops guessing.
-
-        One read per block and layer on the prefill's path instead of a header read (480 at
-        4,096 tokens, ~60 ms of a core) and then the chunks' (issue #27, item 5).
-        """
-        index, model = meta.record_index(layer, 0), self._model
-        size = header_bytes(meta.chunks_per_layer)
-        chunk_bytes = 2 * model.num_kv_heads * meta.chunk_tokens * model.head_dim * model.itemsize
-        runs = _adjacent_runs(mine)
-        spans = [(size + a * chunk_bytes, size + (b + 1) * chunk_bytes) for a, b in runs]
-        got = self._fetcher.ranges(meta, index, [(0, size), *spans])
-        if got is None:
-            return None
-        try:
-            header = parse_header(got.data[0], meta.chunk_id(index), layer_geometry(meta, layer, model))
-        except ChecksumError as exc:
-            if self._fetcher.refuse_remote(got.tier, meta, exc):
-                return None
-            raise
-        self._headers[(block_index, layer)] = RangedHeader(header, got.tier)
-        self._count_read(sum(len(d) for d in got.data))
-        laid_out = [
-            (size + a * chunk_bytes, size + (b + 1) * chunk_bytes, list(range(a, b + 1))) for a, b in runs
-        ]
-        if header.codec != "raw" or header.ranges(mine) != laid_out:
-            self._raw_records = False  # compressed: this load reads by the header from now on
-            return None
-        parts = [
-            decode_run(header, data, members, got.trusted)
-            for (_, _, members), data in zip(laid_out, got.data[1:], strict=True)
-        ]
-        return parts
 
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
         """One summary record, fastest tier first, verified; promoted to memory from a slower tier
@@ -385,17 +349,6 @@ class LocalLayeredLoad:
         self._counters.add(counter)
         self._fetcher.forget(meta.key)
         self._index.forget(meta.key)
-
-
-def _adjacent_runs(chunks: list[int]) -> list[tuple[int, int]]:
-    """(first, last) of each run of consecutive numbers in sorted `chunks`."""
-    runs: list[tuple[int, int]] = []
-    for c in chunks:
-        if runs and runs[-1][1] == c - 1:
-            runs[-1] = (runs[-1][0], c)
-        else:
-            runs.append((c, c))
-    return runs
 
 
 def _joined(parts: list[LowBitKeys], model: ModelSpec) -> LowBitKeys:

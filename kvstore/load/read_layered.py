@@ -25,7 +25,7 @@ from kvstore.format.layer_record import (
 )
 from kvstore.format.layered_block import layer_geometry
 from kvstore.load.assemble import copy_pairs
-from kvstore.load.fetch import Fetched, RecordFetcher
+from kvstore.load.fetch import Fetched, FetchedRanges, RecordFetcher
 from kvstore.model import ModelSpec
 from kvstore.values import Array, LoadedChunk
 
@@ -209,13 +209,59 @@ def read_header(fetcher: RecordFetcher, meta: BlockMeta, index: int, model: Mode
         ChecksumError: a local header fails its checks (GeometryError: describes other geometry).
     """
     head = fetcher.ranges(meta, index, [(0, header_bytes(meta.chunks_per_layer))])
-    if head is None:
+    return None if head is None else _verified_header(fetcher, meta, index, head, model)
+
+
+class RawRuns(NamedTuple):
+    """What `read_raw_runs` read: the verified header, the chunks as runs of (n, 2, kv_heads, c,
+    head_dim) arrays (None: the header lays them out elsewhere, a compressed record), bytes read."""
+
+    head: RangedHeader
+    runs: list[Array] | None
+    nbytes: int
+
+
+def read_raw_runs(
+    fetcher: RecordFetcher, meta: BlockMeta, index: int, wanted: Sequence[int], model: ModelSpec
+) -> RawRuns | None:
+    """The header of layer record `index` and its sorted chunks `wanted` in one ranged read, the
+    chunks' byte ranges as an uncompressed record lays them out (adjacent chunks merged): one read
+    per block and layer where `read_header` then `read_chunk_runs` make two (480 header reads a
+    4,096-token query-aware prefill, issue #27 item 5). None as `read_header`.
+
+    Raises:
+        ChecksumError: the header or a chunk fails its checks (GeometryError: other geometry).
+    """
+    size = header_bytes(meta.chunks_per_layer)
+    chunk_bytes = 2 * model.num_kv_heads * meta.chunk_tokens * model.head_dim * model.itemsize
+    laid_out = [
+        (size + first * chunk_bytes, size + (first + count) * chunk_bytes, list(range(first, first + count)))
+        for _, first, count in _runs(np.asarray(wanted, dtype=np.int64))
+    ]
+    got = fetcher.ranges(meta, index, [(0, size), *[(start, end) for start, end, _ in laid_out]])
+    head = None if got is None else _verified_header(fetcher, meta, index, got, model)
+    if got is None or head is None:
         return None
+    nbytes = sum(len(d) for d in got.data)
+    if head.header.codec != "raw" or head.header.ranges(wanted) != laid_out:
+        return RawRuns(head, None, nbytes)
+    runs = [
+        decode_run(head.header, data, members, got.trusted)
+        for (_, _, members), data in zip(laid_out, got.data[1:], strict=True)
+    ]
+    return RawRuns(head, runs, nbytes)
+
+
+def _verified_header(
+    fetcher: RecordFetcher, meta: BlockMeta, index: int, got: FetchedRanges, model: ModelSpec
+) -> RangedHeader | None:
+    """The header at the start of `got.data[0]`, checked against `meta` and `model`; None for a
+    remote one that fails (a miss there), else a failure raises ChecksumError."""
     geometry = layer_geometry(meta, index - meta.num_layers, model)
     try:
-        return RangedHeader(parse_header(head.data[0], meta.chunk_id(index), geometry), head.tier)
+        return RangedHeader(parse_header(got.data[0], meta.chunk_id(index), geometry), got.tier)
     except ChecksumError as exc:
-        if fetcher.refuse_remote(head.tier, meta, exc):
+        if fetcher.refuse_remote(got.tier, meta, exc):
             return None
         raise
 

@@ -50,6 +50,10 @@ class StoreConfig:
             descending score order) or "layered" (per layer, chunks of layer_chunk_tokens in
             prompt order plus a 2-bit key summary per layer; docs/importance.md).
         layer_chunk_tokens: tokens per per-layer chunk of the layered layout (divides block_tokens).
+        layered_pack: write a layered block's layer records as one value, a pack (layout v3:
+            a full load reads one value per block). False writes layout v2, a value per layer
+            record, which stores older than v3 read: for a remote tier shared with them during
+            an upgrade. Both are read whatever this says.
     """
 
     data_dir: Path | None = None
@@ -73,6 +77,7 @@ class StoreConfig:
     memory_policy: str = "score"
     layout: str = "importance"
     layer_chunk_tokens: int = 8
+    layered_pack: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:

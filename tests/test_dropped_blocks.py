@@ -62,7 +62,9 @@ def _find_damage(store: TieredStore, toks: Array, layout: str, via: str) -> None
 
 
 def _damage(config: StoreConfig, meta: BlockMeta, layout: str) -> None:
-    index = meta.record_index(1, 0) if layout == "layered" else 2
+    index = 2  # a chunk of an importance-layout block
+    if layout == "layered":  # layer 1's record, or the pack holding it (the middle byte: in layer 1)
+        index = meta.pack_index if meta.is_packed else meta.record_index(1, 0)
     corrupt_chunk(config, meta.key, index)
 
 

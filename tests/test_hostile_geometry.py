@@ -137,9 +137,10 @@ def _read_every_way(client: KVClient, toks: Array) -> None:
 
 
 def _config(data_dir: Path | None, **kwargs: Any) -> StoreConfig:
+    """Layout v2 (a value per layer record, each one forged on its own); packs: test_layer_pack.py."""
     return StoreConfig(
         data_dir=data_dir, block_tokens=B, chunk_tokens=8, memory_bytes=64 << 20, layout="layered",
-        layer_chunk_tokens=8, **kwargs,
+        layer_chunk_tokens=8, layered_pack=False, **kwargs,
     )  # fmt: skip
 
 
@@ -191,7 +192,7 @@ def test_forged_remote_record_is_a_counted_miss_and_the_block_is_dropped(
         second = writer.tree.get(_keys(writer, toks)[1])
         assert second is not None
         meta: BlockMeta = second.payload
-    assert meta.layout_version == layered_layout_version(8)
+    assert meta.layout_version == layered_layout_version(8, packed=False)
     key = _redis_key(prefix, meta, meta.record_index(1, 0))
     assert redis_client.exists(key)
     redis_client.set(key, _forged_layer_record(meta, 1, how))

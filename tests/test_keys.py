@@ -47,7 +47,7 @@ def test_block_key_chain_vectors(index: int) -> None:
 @pytest.mark.parametrize("index", [0, 1])
 def test_layered_chunk_key_vectors(index: int) -> None:
     vector = _vectors()["layered_chunk_keys"][index]
-    version = layered_layout_version(vector["layer_chunk_tokens"])
+    version = layered_layout_version(vector["layer_chunk_tokens"], vector.get("packed", False))
     assert version == vector["layout_version"]
     key = chunk_key(bytes.fromhex(vector["block_key"]), version, vector["record_index"])
     assert key.hex() == vector["chunk_key"]

@@ -18,16 +18,16 @@ from tests.conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
 
 N, PROMPTS = 96, 4
 BASE = {"block_tokens": 32, "chunk_tokens": 16, "layer_chunk_tokens": 8}
-RECORDS = 2 * TINY.num_layers  # per layered block: a summary and a layer record per layer
+RECORDS = TINY.num_layers + 1  # per layered block: a summary per layer and the pack of layer records
 
 
-def _config(data_dir: Path, layout: str) -> StoreConfig:
-    return StoreConfig(data_dir=data_dir, layout=layout, **BASE)  # type: ignore[arg-type]
+def _config(data_dir: Path, layout: str, pack: bool = True) -> StoreConfig:
+    return StoreConfig(data_dir=data_dir, layout=layout, layered_pack=pack, **BASE)  # type: ignore[arg-type]
 
 
-def _fill(data_dir: Path, layout: str) -> list[tuple[np.ndarray, np.ndarray]]:
+def _fill(data_dir: Path, layout: str, pack: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
     prompts = [(make_tokens(N, seed=i), make_kv(TINY, N, seed=i)) for i in range(PROMPTS)]
-    with TieredStore(_config(data_dir, layout)) as store:
+    with TieredStore(_config(data_dir, layout, pack)) as store:
         for tokens, kv in prompts:
             store.store(tokens, kv, model=TINY, scores=np.linspace(0, 1, N).astype(np.float32))
             scattered = np.random.default_rng(5).permutation(N).astype(np.float32)
@@ -55,20 +55,23 @@ def test_fsck_is_clean_on_layered_blocks_and_reports_layouts(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("record", "offset", "label"),
+    ("pack", "record", "offset", "label"),
     [
-        (1, None, "summary 1 (layer 1)"),
-        (TINY.num_layers + 1, None, "layer record 3 (layer 1)"),  # the middle byte: in a chunk
-        (TINY.num_layers, 20, "layer record 2 (layer 0)"),  # in the header
+        (True, 1, None, "summary 1 (layer 1)"),
+        (True, TINY.num_layers, None, "layer pack 2"),  # the middle byte: in a chunk of a record
+        (True, TINY.num_layers, 20, "layer pack 2"),  # in the pack's table
+        (True, TINY.num_layers, 120, "layer pack 2"),  # in layer 0's header, inside the pack
+        (False, TINY.num_layers + 1, None, "layer record 3 (layer 1)"),  # v2: the middle byte, a chunk
+        (False, TINY.num_layers, 20, "layer record 2 (layer 0)"),  # v2: in the header
     ],
 )
 def test_fsck_finds_a_flipped_byte_in_a_summary_and_in_a_layer_record(
-    tmp_path: Path, record: int, offset: int | None, label: str
+    tmp_path: Path, pack: bool, record: int, offset: int | None, label: str
 ) -> None:
-    prompts = _fill(tmp_path, "layered")
-    with TieredStore(_config(tmp_path, "layered")) as store:
+    prompts = _fill(tmp_path, "layered", pack)
+    with TieredStore(_config(tmp_path, "layered", pack)) as store:
         victim = store.index.match(store._root(TINY, "default"), prompts[0][0], touch=False).nodes[2].key
-    corrupt_chunk(_config(tmp_path, "layered"), victim, record, offset)
+    corrupt_chunk(_config(tmp_path, "layered", pack), victim, record, offset)
     report = fsck(tmp_path)
     assert [(p.kind, p.key) for p in report.problems] == [("bad-chunk", victim.hex())]
     assert report.problems[0].detail.startswith(f"{label}: ")

@@ -20,6 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, InvalidInputError
 from kvstore.format.block_meta import BlockMeta, identity_error
 from kvstore.format.key_summary import summary_record_bytes
+from kvstore.format.layer_pack import table_bytes
 from kvstore.format.layer_record import header_bytes
 from kvstore.store.tiered import TieredStore
 from tests.conftest import TINY, corrupt_chunk, make_kv, make_tokens
@@ -36,10 +37,12 @@ def _config(tmp_path: Path | None, **kwargs: Any) -> StoreConfig:
     )  # fmt: skip
 
 
-@pytest.fixture(params=["lmdb-raw", "lmdb-zstd", "memory"])
+@pytest.fixture(params=["lmdb-raw", "lmdb-zstd", "memory", "lmdb-raw-v2", "lmdb-zstd-v2"])
 def layered(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TieredStore]:
-    codec = "shuffle-zstd" if request.param == "lmdb-zstd" else "raw"
-    with TieredStore(_config(None if request.param == "memory" else tmp_path, codec=codec)) as store:
+    """A layered store: packs (layout v3, what stores write), or v2 (a value per layer record)."""
+    codec = "shuffle-zstd" if "zstd" in request.param else "raw"
+    data = None if request.param == "memory" else tmp_path
+    with TieredStore(_config(data, codec=codec, layered_pack="v2" not in request.param)) as store:
         yield store
 
 
@@ -59,7 +62,9 @@ def test_layered_blocks_record_their_layout_and_records(layered: TieredStore) ->
     toks, _, scores = _stored(layered)
     for i, meta in enumerate(_metas(layered, toks)):
         assert meta.is_layered and meta.layout == "layered" and meta.num_layers == TINY.num_layers
-        assert meta.num_chunks == 2 * TINY.num_layers  # a summary and a layer record per layer
+        # a summary per layer, then a layer record per layer (v2) or one pack of them (v3)
+        assert meta.num_chunks == (TINY.num_layers + 1 if meta.is_packed else 2 * TINY.num_layers)
+        assert meta.is_packed == layered.config.layered_pack
         np.testing.assert_array_equal(meta.permutation, np.arange(B))
         np.testing.assert_array_equal(meta.scores, scores[i * B : (i + 1) * B])
         assert BlockMeta.from_bytes(meta.to_bytes()).layout == "layered"
@@ -160,9 +165,10 @@ def test_open_layers_pins_its_blocks_until_closed(layered: TieredStore) -> None:
 
 
 def test_read_from_disk_is_promoted_to_memory(tmp_path: Path) -> None:
-    with TieredStore(_config(tmp_path)) as store:
+    """Layout v2: each layer record read whole is promoted on its own (packs: test_layer_pack.py)."""
+    with TieredStore(_config(tmp_path, layered_pack=False)) as store:
         toks, kv, _ = _stored(store)
-    with TieredStore(_config(tmp_path)) as store:  # restarted: memory is empty
+    with TieredStore(_config(tmp_path, layered_pack=False)) as store:  # restarted: memory is empty
         for expected_tier in ("lmdb", "memory"):
             with store.open_layers(toks, model=TINY) as load:
                 load.key_summary(0)  # all of block 0's layer 0: its layer record is read whole
@@ -207,12 +213,14 @@ def test_bad_layer_or_chunk_is_refused_by_name(layered: TieredStore, call: Any, 
 
 @pytest.mark.parametrize("record", ["summary", "header", "chunk"])
 def test_corrupt_record_is_a_checksum_error_and_the_block_is_forgotten(tmp_path: Path, record: str) -> None:
-    with TieredStore(_config(tmp_path)) as store:
+    """Layout v2's records (a pack's: test_layer_pack.py)."""
+    config = _config(tmp_path, layered_pack=False)
+    with TieredStore(config) as store:
         toks, _, _ = _stored(store)
         second = _metas(store, toks)[1]
     index = 1 if record == "summary" else second.record_index(1, 0)
-    corrupt_chunk(_config(tmp_path), second.key, index, offset=20 if record == "header" else None)
-    with TieredStore(_config(tmp_path)) as store, store.open_layers(toks, model=TINY) as load:
+    corrupt_chunk(config, second.key, index, offset=20 if record == "header" else None)
+    with TieredStore(config) as store, store.open_layers(toks, model=TINY) as load:
         with pytest.raises(ChecksumError, match=second.key.hex()):
             if record == "summary":
                 load.key_summary(1)
@@ -373,7 +381,8 @@ def test_a_partial_load_from_disk_reads_only_what_it_delivers(tmp_path: Path, bu
     """A budget means bytes: a layer record is read whole only when every chunk is wanted."""
     with TieredStore(_config(tmp_path)) as store:
         toks, _, _ = _stored(store)
-    headers = 3 * TINY.num_layers * header_bytes(B // C)  # a header per block and layer, at most
+    # a header per block and layer, and a pack's table per block, at most
+    headers = 3 * TINY.num_layers * header_bytes(B // C) + 3 * table_bytes(TINY.num_layers)
     chunk_bytes = TINY.token_bytes // TINY.num_layers * C  # raw: one layer's K and V of C tokens
     with TieredStore(_config(tmp_path)) as store:  # a fresh store: memory is empty, reads hit LMDB
         with store.load(toks, model=TINY, budget=budget) as stream:

@@ -30,21 +30,24 @@ _VERSION = 2  # written; 1 (no checksum) is still read
 _READABLE_VERSIONS = (1, 2)
 IMPORTANCE, LAYERED = "importance", "layered"  # the layout kinds (kvstore.config.LAYOUTS)
 # A layered block's layout version carries its chunk size (docs/keys.md, "Chunk keys"): bit 31
-# set, chunk tokens in the low 16 bits. Importance-layout versions count re-layouts from 0.
+# set, chunk tokens in the low 16 bits; bit 30 set when its layer records are in one pack
+# (kvstore/format/layer_pack.py, layout v3). Importance-layout versions count re-layouts from 0.
 LAYERED_VERSION_BIT = 1 << 31
+PACKED_VERSION_BIT = 1 << 30
 _CHUNK_TOKENS_MASK = 0xFFFF
 
 
-def layered_layout_version(chunk_tokens: int) -> int:
+def layered_layout_version(chunk_tokens: int, packed: bool = True) -> int:
     """The layout version a store writes a layered block of `chunk_tokens`-token chunks with.
 
     The chunk size changes every byte of a layer record, so it is part of the record's key and
     identity: stores of other chunk sizes sharing a remote tier write other keys, never each
-    other's (docs/keys.md).
+    other's (docs/keys.md). So does packing (`packed=False`: the v2 layout of one value per
+    layer record, still read).
     """
     if not 1 <= chunk_tokens <= _CHUNK_TOKENS_MASK:
         raise ValueError(f"chunk_tokens must be in [1, {_CHUNK_TOKENS_MASK}], got {chunk_tokens}")
-    return LAYERED_VERSION_BIT | chunk_tokens
+    return LAYERED_VERSION_BIT | (PACKED_VERSION_BIT if packed else 0) | chunk_tokens
 
 
 def version_chunk_tokens(layout_version: int) -> int | None:
@@ -52,7 +55,7 @@ def version_chunk_tokens(layout_version: int) -> int | None:
     without one (importance-layout blocks, layered blocks written before versions carried it)."""
     if not layout_version & LAYERED_VERSION_BIT:
         return None
-    return layout_version & ~LAYERED_VERSION_BIT
+    return layout_version & ~(LAYERED_VERSION_BIT | PACKED_VERSION_BIT)
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,21 @@ class BlockMeta:
         return -(-self.num_tokens // self.chunk_tokens)
 
     @property
+    def is_packed(self) -> bool:
+        """A layered block whose layer records are in one pack (kvstore/format/layer_pack.py)."""
+        return self.is_layered and bool(self.layout_version & PACKED_VERSION_BIT)
+
+    @property
+    def pack_index(self) -> int:
+        """Record index of a packed block's layer pack (after its summaries)."""
+        return self.num_layers
+
+    @property
     def num_chunks(self) -> int:
-        """Records in the block: its chunks, or for a layered block a summary and a layer record
-        per layer (kvstore/format/layer_record.py)."""
+        """Records in the block: its chunks, or for a layered block a summary per layer and a
+        layer record per layer (kvstore/format/layer_record.py) or, packed, one pack of them."""
+        if self.is_packed:
+            return self.num_layers + 1
         if self.is_layered:
             return 2 * self.num_layers
         return self.chunks_per_layer
@@ -123,6 +138,8 @@ class BlockMeta:
         that holds its chunk `chunk` (any chunk: one record holds all of a layer's chunks).
 
         Summaries come first (index = layer), then one record per layer: index = num_layers + layer.
+        In a packed block that index names the record inside the pack (its identity), and the
+        pack itself is stored at `pack_index`.
         """
         if chunk is None:
             return layer

@@ -6,6 +6,11 @@ A layered block (docs/importance.md, "Layered layout") stores, by record index:
 - layers + L: the layer record of layer L (kvstore/format/layer_record.py): all its chunks of
   `chunk_tokens` positions, in prompt order, each one addressable by byte range.
 
+A packed block (layout v3, what stores write; `BlockMeta.is_packed`) stores its layer records
+in one value instead, the layer pack at index `layers` (kvstore/format/layer_pack.py); each
+record inside keeps its identity (index layers + L). Version 2 blocks, a value per layer
+record, stay readable.
+
 The tiers store records by (block key, layout version, index) and need not know which
 kind a record is. How a load reads them is kvstore/load/read_layered.py.
 """
@@ -17,6 +22,7 @@ from collections.abc import Sequence
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
 from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
+from kvstore.format.layer_pack import encode_pack, is_pack, split_pack
 from kvstore.format.layer_record import (
     LayerGeometry,
     encode_layer_record,
@@ -28,7 +34,8 @@ from kvstore.values import Array
 
 
 def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
-    """Every record of a layered block, in record-index order.
+    """Every record of a layered block, in record-index order (a packed block's layer records
+    in one pack).
 
     Args:
         meta: the block's metadata (layered; its `nbytes` is not read).
@@ -36,10 +43,14 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
         dtype: the model's dtype name; codec and zstd_level: as kvstore.format.chunk.encode_chunk.
     """
     records = encode_summaries([meta.chunk_id(layer) for layer in range(meta.num_layers)], kv[:, 0])
-    for layer in range(meta.num_layers):
-        cid = meta.chunk_id(meta.record_index(layer, 0))
-        records.append(encode_layer_record(cid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level))
-    return records
+    layers = [
+        encode_layer_record(meta.chunk_id(meta.record_index(layer, 0)), kv[layer], dtype, meta.chunk_tokens,
+                            codec, zstd_level)
+        for layer in range(meta.num_layers)
+    ]  # fmt: skip
+    if meta.is_packed:
+        return [*records, encode_pack(meta.chunk_id(meta.pack_index), layers)]
+    return [*records, *layers]
 
 
 def layer_geometry(meta: BlockMeta, layer: int, model: ModelSpec) -> LayerGeometry:
@@ -58,14 +69,30 @@ def summary_geometry(meta: BlockMeta, model: ModelSpec) -> SummaryGeometry:
 
 def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
     """Record indices a load of `units` reads: the units themselves, or for a layered block
-    every layer record (a unit is one chunk of every layer)."""
+    every layer record (a unit is one chunk of every layer), or its pack."""
     if not meta.is_layered:
         return list(units)
+    if meta.is_packed:
+        return [meta.pack_index] if units else []
     return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
 
 
-def memory_record(data: bytes, dtype: str) -> bytes:
-    """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as is."""
+def memory_record(data: bytes, dtype: str, meta: BlockMeta | None = None) -> bytes:
+    """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as
+    is. A pack needs its block's `meta` (its table is verified against it)."""
     if is_summary(data):
         return data
+    if is_pack(data):
+        if meta is None:
+            raise ValueError("a layer pack's memory record needs its block's metadata")
+        return raw_pack(meta, data)
     return raw_layer_record(data) if is_layer_record(data) else reencode_raw(data, dtype)
+
+
+def raw_pack(meta: BlockMeta, data: bytes | memoryview) -> bytes:
+    """The pack `data` of block `meta` with every layer record uncompressed (the same bytes if raw)."""
+    parts = split_pack(data, meta.chunk_id(meta.pack_index), meta.num_layers)
+    raws = [raw_layer_record(part) for part in parts]
+    if all(len(r) == len(p) for r, p in zip(raws, parts, strict=True)):
+        return bytes(data)
+    return encode_pack(meta.chunk_id(meta.pack_index), raws)

@@ -10,17 +10,25 @@ A remote record that fails its header check is a miss, counted and deleted remot
 against the geometry the block's metadata and the model imply (`layer_geometry`), never
 trusted: a record of another chunk size, chunk count, layer, dtype or shape is refused with
 `GeometryError` (a local one) or is a miss counted in `geometry_mismatches` (a remote one).
+
+A packed block (layout v3) stores its layer records in one value, the pack
+(kvstore/format/layer_pack.py). Callers still name layer records by their own index; the
+fetcher reads the pack whole (a full load: one value per block) or reads its table once per
+block and tier and shifts a layer record's ranges by the record's offset in the pack. A pack
+is promoted whole, once every layer record of it has been verified.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.errors import ChecksumError, KVSieveError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError
+from kvstore.format.layer_pack import PackTable, encode_pack, parse_table, split_pack, table_bytes
 from kvstore.format.layer_record import LayerGeometry, LayerHeader, parse_header, raw_from_chunks
 from kvstore.format.layered_block import layer_geometry
 from kvstore.model import ModelSpec
@@ -34,6 +42,8 @@ if TYPE_CHECKING:
 
 
 _MAX_HEADERS = 1 << 16  # parsed headers kept (a few hundred bytes each)
+_MAX_TABLES = 1 << 14  # pack tables kept (per block and local tier, a few hundred bytes each)
+_MAX_PENDING = 8  # packs whose layer records are being verified one by one (each holds views)
 
 
 class Fetched(NamedTuple):
@@ -60,6 +70,13 @@ class RecordFetcher:
         # Headers of records memory holds, parsed once: memory holds the raw encoding of a record,
         # the same bytes whenever it is promoted again, under a key that names block, layout, index.
         self._headers: dict[tuple[bytes, int, int], LayerHeader] = {}
+        # Pack tables of local tiers, verified once: memory holds the raw encoding of a pack and the
+        # disk what this store wrote, both fixed under a key that names block and layout. The
+        # remote tier's are read every time (another store may have written the value).
+        self._tables: dict[tuple[str, bytes, int], PackTable] = {}
+        # Verified raw layer records of packs read from a slower tier, by block, until all are in
+        self._pending: dict[tuple[bytes, int], dict[int, tuple[bytes | memoryview, LayerHeader]]] = {}
+        self._lock = threading.Lock()  # guards _tables and _pending (loads read blocks in threads)
 
     def known_header(
         self, meta: BlockMeta, index: int, fetched: Fetched, geometry: LayerGeometry
@@ -88,6 +105,11 @@ class RecordFetcher:
         """Drop the kept headers of block `key` (the store dropped the block). Mutates."""
         for kept in [k for k in self._headers if k[0] == key]:
             self._headers.pop(kept, None)
+        with self._lock:
+            for table in [k for k in self._tables if k[1] == key]:
+                self._tables.pop(table, None)
+            for pending in [k for k in self._pending if k[0] == key]:
+                self._pending.pop(pending, None)
 
     def refuse_remote(self, tier: Tier, meta: BlockMeta, exc: ChecksumError) -> bool:
         """A record of `tier` failed its checks with `exc`. If `tier` is the shared remote tier,
@@ -105,6 +127,8 @@ class RecordFetcher:
 
     def all_in_memory(self, meta: BlockMeta, indices: Sequence[int]) -> bool:
         """Whether memory holds every record `indices` (then reading them whole copies nothing)."""
+        if meta.is_packed:
+            return self.tiers.memory.has_chunk(meta.key, meta.pack_index)
         return all(self.tiers.memory.has_chunk(meta.key, i) for i in indices)
 
     def whole_records(
@@ -112,6 +136,8 @@ class RecordFetcher:
     ) -> list[Fetched] | None:
         """Layer records `indices` of a block, fastest tier first; None if one is in no tier (a
         remote one whose header fails its checks, against `model` too, is in none)."""
+        if meta.is_packed:
+            return self._whole_packed(meta, indices, model)
         memory = self.tiers.memory
         found: dict[int, Fetched] = {}
         for index, data in zip(indices, memory.get_chunks(meta, indices), strict=True):
@@ -140,11 +166,19 @@ class RecordFetcher:
     def ranges(
         self, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]], only: Tier | None = None
     ) -> FetchedRanges | None:
-        """Byte ranges of record `index` from the fastest tier holding it (or from `only`)."""
+        """Byte ranges of record `index` from the fastest tier holding it (or from `only`).
+
+        Raises:
+            ChecksumError: a local pack's table fails its checks (GeometryError: other geometry).
+        """
+        in_pack = meta.is_packed and index >= meta.num_layers
         for tier in self.tiers.all if only is None else (only,):
             data = None
-            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
-                data = tier.get_ranges(meta, index, ranges)
+            if in_pack:
+                data = self._pack_ranges(tier, meta, index, ranges)
+            else:
+                with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+                    data = tier.get_ranges(meta, index, ranges)
             if data is None:
                 continue
             if only is None:
@@ -156,14 +190,127 @@ class RecordFetcher:
     def promote(
         self, meta: BlockMeta, index: int, fetched: Fetched, header: LayerHeader, chunks: Array
     ) -> None:
-        """Copy a verified record read whole from a slower tier into memory (raw: no zstd on reads)."""
+        """Copy a verified record read whole from a slower tier into memory (raw: no zstd on reads).
+        A packed block's record waits for the others of its pack: the pack is promoted whole."""
         if fetched.trusted:
             return
         raw = fetched.data if header.codec == "raw" else raw_from_chunks(header, chunks)
+        if meta.is_packed:
+            self._promote_in_pack(meta, index, raw, header)
+            return
         if self._index.promote(meta, index, raw) and header.codec == "raw":
             # memory now holds these very bytes, whose header was just verified: the next
             # load of them parses nothing (a re-encoded record's header differs: parsed then)
             self._keep(meta, index, header)
+
+    # -- packed blocks (layout v3) ------------------------------------------------------------
+
+    def _whole_packed(
+        self, meta: BlockMeta, indices: Sequence[int], model: ModelSpec
+    ) -> list[Fetched] | None:
+        """`whole_records` of a packed block: views of the pack memory holds, else of the pack read
+        whole (every layer wanted) or each record's span (a few) from the fastest durable tier."""
+        memory, pack = self.tiers.memory, meta.pack_index
+        held = memory.get_chunks(meta, [pack])[0]
+        if held is not None:
+            self._index.touch_memory(meta, [pack])
+            table = self._table(memory, meta, held)
+            if table is None:
+                return None
+            self._counters.add_many({f"chunk_hits.{memory.name}": 1, f"bytes_read.{memory.name}": len(held)})
+            return [
+                Fetched(held[slice(*table.span(i - meta.num_layers))], memory.name, True) for i in indices
+            ]
+        if len(indices) < meta.num_layers:  # a few layers: their spans, not the whole pack
+            spans = [self.ranges(meta, i, [(0, 1 << 62)]) for i in indices]
+            if any(s is None for s in spans):
+                return None
+            return [Fetched(s.data[0], s.tier.name, s.trusted) for s in spans if s is not None]
+        for tier in self.tiers.durable:
+            data = self._get(tier, meta, [pack])[0]
+            if data is None:
+                continue
+            try:
+                parts = split_pack(data, meta.chunk_id(pack), meta.num_layers)
+                if self.tiers.is_remote(tier):  # a miss, not an error, if any header is wrong
+                    for layer, part in enumerate(parts):
+                        parse_header(
+                            part, meta.chunk_id(meta.num_layers + layer), layer_geometry(meta, layer, model)
+                        )
+            except ChecksumError as exc:
+                if self.refuse_remote(tier, meta, exc):
+                    continue
+                raise
+            self._counters.add_many({f"chunk_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
+            return [Fetched(parts[i - meta.num_layers], tier.name, False) for i in indices]
+        return None
+
+    def _pack_ranges(
+        self, tier: Tier, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[memoryview] | None:
+        """Byte ranges of layer record `index` of a packed block from `tier`: its pack's table (kept
+        for a local tier), then the ranges shifted to the record's span (clipped at its end)."""
+        table = self._table(tier, meta)
+        if table is None:
+            return None
+        start, end = table.span(index - meta.num_layers)
+        shifted = [(min(start + a, end), min(start + b, end)) for a, b in ranges]
+        with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+            return tier.get_ranges(meta, meta.pack_index, shifted)
+        return None
+
+    def _table(self, tier: Tier, meta: BlockMeta, data: memoryview | None = None) -> PackTable | None:
+        """The verified table of a packed block's pack in `tier` (from `data`, its start, if read);
+        None if the tier does not hold it (or a remote one fails its checks: a miss).
+
+        Raises:
+            ChecksumError: a local table fails its checks (GeometryError: another layer count).
+        """
+        key = (tier.name, meta.key, meta.layout_version)
+        kept = self._tables.get(key)
+        if kept is not None:
+            return kept
+        if data is None:
+            got = None
+            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+                got = tier.get_ranges(meta, meta.pack_index, [(0, table_bytes(meta.num_layers))])
+            if got is None:
+                return None
+            self._counters.add(f"bytes_read.{tier.name}", len(got[0]))
+            data = got[0]
+        try:
+            table = parse_table(data, meta.chunk_id(meta.pack_index), meta.num_layers)
+        except ChecksumError as exc:
+            if self.refuse_remote(tier, meta, exc):
+                return None
+            raise
+        if not self.tiers.is_remote(tier):
+            with self._lock:
+                if len(self._tables) >= _MAX_TABLES:
+                    self._tables.clear()
+                self._tables[key] = table
+        return table
+
+    def _promote_in_pack(
+        self, meta: BlockMeta, index: int, raw: bytes | memoryview, header: LayerHeader
+    ) -> None:
+        """Keep verified raw layer record `index` of a packed block; once every layer's is kept,
+        promote the pack they make (raw) to memory."""
+        block = (meta.key, meta.layout_version)
+        with self._lock:
+            records = self._pending.setdefault(block, {})
+            records[index - meta.num_layers] = (raw, header)
+            if len(records) < meta.num_layers:
+                if len(self._pending) > _MAX_PENDING:  # loads that failed half-way left theirs
+                    self._pending.pop(next(iter(self._pending)))
+                return
+            del self._pending[block]
+        layers = [records[layer] for layer in range(meta.num_layers)]
+        pack = encode_pack(meta.chunk_id(meta.pack_index), [raw for raw, _ in layers])
+        if self._index.promote(meta, meta.pack_index, pack):
+            for layer, (_, kept) in enumerate(layers):
+                if kept.codec == "raw":  # memory now holds these very bytes (a re-encoded one's differ)
+                    self._keep(meta, meta.num_layers + layer, kept)
 
     def _get(self, tier: Tier, meta: BlockMeta, indices: list[int]) -> list[memoryview | None]:
         if self.tiers.is_remote(tier):

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
+from kvstore.format.layer_pack import table_bytes
 from kvstore.format.layer_record import (
     LayerHeader,
     decode_layer_record,
@@ -93,6 +94,8 @@ def load_units(
         read += overhead
         tiers.add(tier)
     assert out is not None
+    if whole and meta.is_packed:  # the pack's table, read with its records
+        read += table_bytes(meta.num_layers)
     copy_pairs(copies)  # in two threads: the block's layers are 6 MB for SmolLM2
     tier = next((t for t in tiers if t != "memory"), "memory")
     per_unit = np.asarray(lengths, np.int64)[:, order].sum(axis=0)

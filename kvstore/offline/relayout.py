@@ -32,7 +32,7 @@ from importance.layout import (
 )
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
-from kvstore.format.block_meta import LAYERED, BlockMeta
+from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import decode_chunk, encode_chunk
 from kvstore.format.layered_block import encode_layered
 from kvstore.keys import parse_chunk_key
@@ -207,9 +207,10 @@ def _migrate(tier: LmdbTier, chunk_tokens: int, dry_run: bool, progress: bool) -
 def _write_layered(
     tier: LmdbTier, meta: BlockMeta, block_kv: np.ndarray, codec: str, chunk_tokens: int
 ) -> int:
+    version = layered_layout_version(chunk_tokens)  # packed (v3), chunk size in it: what stores write
     new_meta = replace(
         meta, layout=LAYERED, num_layers=block_kv.shape[0], chunk_tokens=chunk_tokens,
-        layout_version=meta.layout_version + 1, permutation=np.arange(meta.num_tokens, dtype=np.int64),
+        layout_version=version, permutation=np.arange(meta.num_tokens, dtype=np.int64),
     )  # fmt: skip
     records = encode_layered(new_meta, block_kv, block_kv.dtype.name, codec, 1)
     new_meta = replace(new_meta, nbytes=sum(len(r) for r in records))

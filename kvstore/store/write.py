@@ -75,7 +75,7 @@ class BlockWriter:
             self._put_durable(tier, blocks, needed)
             self._counters.add(f"bytes_written.{tier.name}", needed)
         raw = self._config.codec == "raw"  # memory holds raw chunks: no zstd on the hot path
-        in_memory = [(m, c if raw else [memory_record(x, model.dtype) for x in c]) for m, c in blocks]
+        in_memory = [(m, c if raw else [memory_record(x, model.dtype, m) for x in c]) for m, c in blocks]
         if not self.tiers.local_durable:  # memory is the only local copy: make room for all, or fail now
             self._index.reserve_memory(sum(len(x) for _, c in in_memory for x in c))
         for meta, chunks in in_memory:
@@ -164,9 +164,10 @@ class BlockWriter:
                 f"{model.name}, more than {MAX_RECORDS}: use larger chunks"
             )
         parent = keys[index - 1] if index else ROOT_KEY
+        version = layered_layout_version(c, self._config.layered_pack)
         meta = BlockMeta(
             keys[index], parent, model.fingerprint, root[0], index, toks[index * b : (index + 1) * b].copy(),
-            c, layered_layout_version(c), np.arange(b, dtype=np.int64), block_scores, 0, time.time(),
+            c, version, np.arange(b, dtype=np.int64), block_scores, 0, time.time(),
             namespace, LAYERED, model.num_layers,
         )  # fmt: skip  # the chunk size is in the version: in every record's key and identity
         cfg = self._config

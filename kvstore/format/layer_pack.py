@@ -1,0 +1,126 @@
+"""Layer packs (layered layout v3): every layer record of one block in one stored value.
+
+Version 2 of the layered layout stored each layer record as its own value: 30 values per
+block for SmolLM2, 240 per 2,048-token prefix, where the importance layout reads 16 per
+block. A full load paid for every one of them (a B-tree lookup and a Python round per
+value; docs/importance.md, "Layered layout"). A pack holds the block's layer records
+(kvstore/format/layer_record.py, unchanged, each still carrying its own identity, chunk
+table and checksums) back to back behind a table of where each one starts. A full load
+reads one value per block; a partial load reads the table once per block and then only
+the byte ranges of the chunks it chose, shifted by the layer's offset. Layout
+(little-endian)::
+
+    header    struct _HEADER: magic "KVSP", version, the identity of the pack (fingerprint,
+              namespace digest, block key, layout version, record index: a `ChunkId`),
+              number of layers
+    table     per layer: offset u32 (from the pack's start), length u32
+    checksum  u64 xxh3-64 over header and table
+    records   the layer records, layer 0 first
+
+The table's size depends only on the number of layers (`table_bytes`), so a reader that
+knows the block's layer count reads it with one range request. A table is never trusted
+about the layer count; the layer records inside are verified as ever (their identity names
+their layer, so a record moved to another layer's slot is refused).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import ChecksumError
+from kvstore.format.chunk import ChunkId, GeometryError
+
+MAGIC = b"KVSP"
+FORMAT_VERSION = 1
+# magic, version, fingerprint, namespace digest, block key, layout version, record index, layers
+_HEADER = struct.Struct("<4sH16s16s16sIIH")
+_ENTRY = struct.Struct("<II")
+_CHECKSUM = struct.Struct("<Q")
+
+
+class PackTable(NamedTuple):
+    """A verified pack table: where each layer record lies in the pack."""
+
+    offsets: list[int]  # per layer, from the pack's start
+    lengths: list[int]  # per layer, bytes of its record
+
+    def span(self, layer: int) -> tuple[int, int]:
+        """[start, end) of layer `layer`'s record in the pack."""
+        return self.offsets[layer], self.offsets[layer] + self.lengths[layer]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pack."""
+        return self.offsets[-1] + self.lengths[-1]
+
+
+def table_bytes(num_layers: int) -> int:
+    """Bytes of a pack's header, table and checksum for `num_layers` layers."""
+    return _HEADER.size + num_layers * _ENTRY.size + _CHECKSUM.size
+
+
+def encode_pack(pack_id: ChunkId, records: Sequence[bytes | memoryview]) -> bytes:
+    """One pack of `records` (a block's layer records, layer 0 first) under `pack_id`."""
+    lengths = [len(memoryview(r)) for r in records]
+    starts = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1])) + table_bytes(len(records))
+    head = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, pack_id.fingerprint, pack_id.namespace, pack_id.block_key,
+        pack_id.layout_version, pack_id.chunk_index, len(records),
+    )  # fmt: skip
+    body = head + b"".join(_ENTRY.pack(int(s), n) for s, n in zip(starts, lengths, strict=True))
+    return b"".join((body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *records))
+
+
+def parse_table(data: bytes | memoryview, expect: ChunkId, num_layers: int) -> PackTable:
+    """Verify and parse the table at the start of `data` (the table's range or the whole pack).
+
+    Raises:
+        ChecksumError: not a pack, truncated, a checksum mismatch, another identity, or a
+            table whose records are not adjacent after it.
+        GeometryError: another number of layers than `num_layers` (the block's metadata).
+    """
+    view = memoryview(data)
+    if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
+        raise ChecksumError(f"not a kvsieve layer pack (starts {bytes(view[:4])!r}, {len(view)} bytes)")
+    _magic, version, fp, ns, key, layout, index, layers = _HEADER.unpack_from(view)
+    size = table_bytes(layers)
+    if version != FORMAT_VERSION or len(view) < size:
+        raise ChecksumError(f"layer pack table truncated or version {version} ({len(view)} bytes)")
+    body = view[: size - _CHECKSUM.size]
+    if xxhash.xxh3_64_intdigest(body) != _CHECKSUM.unpack_from(view, size - _CHECKSUM.size)[0]:
+        raise ChecksumError("layer pack table checksum mismatch")
+    found = ChunkId(fp, ns, key, layout, index)
+    if found != expect:
+        raise ChecksumError(f"layer pack identity mismatch: expected {expect}, found {found}")
+    if layers != num_layers:
+        raise GeometryError(f"layer pack holds {layers} layers; the block has {num_layers}")
+    entries = struct.unpack_from("<" + "II" * layers, body, _HEADER.size)
+    offsets, lengths = list(entries[0::2]), list(entries[1::2])
+    adjacent = layers > 0 and offsets[0] == size
+    adjacent = adjacent and all(o == p + q for o, p, q in zip(offsets[1:], offsets, lengths, strict=False))
+    if not adjacent:
+        raise ChecksumError("layer pack table does not describe adjacent records after it")
+    return PackTable(offsets, lengths)
+
+
+def split_pack(data: bytes | memoryview, expect: ChunkId, num_layers: int) -> list[memoryview]:
+    """The layer records of a whole pack, as views of `data` (nothing copied), its table verified.
+
+    Raises:
+        ChecksumError, GeometryError: as `parse_table`, or a pack of another length than its table's.
+    """
+    view = memoryview(data)
+    table = parse_table(view, expect, num_layers)
+    if len(view) != table.total_bytes:
+        raise ChecksumError(f"layer pack is {len(view)} bytes, its table says {table.total_bytes}")
+    return [view[a:b] for a, b in map(table.span, range(num_layers))]
+
+
+def is_pack(data: bytes | memoryview) -> bool:
+    """Whether a stored record starts like a layer pack (diagnostics; not a verification)."""
+    return bytes(memoryview(data)[:4]) == MAGIC

@@ -26,6 +26,7 @@ head dim) and `parse_header` refuses any other with `GeometryError` before a byt
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -186,9 +187,8 @@ def parse_header(
         raise ChecksumError(f"layer record identity mismatch: expected {expect}, found {record_id}")
     table = _table(n).unpack_from(body, _HEADER.size)  # struct, not numpy: ~3x faster for 32 chunks
     offsets, lengths = list(table[0::3]), list(table[1::3])
-    adjacent = n == 0 or (
-        offsets[0] == size and all(o == p + q for o, p, q in zip(offsets[1:], offsets, lengths, strict=False))
-    )
+    # each chunk right after the one before (accumulate: C speed, 240 headers a 2,048-token load)
+    adjacent = n == 0 or offsets == list(itertools.accumulate(lengths[:-1], initial=size))
     if codec_id not in _CODEC_NAMES or dtype_id not in _DTYPE_NAMES or not adjacent:
         raise ChecksumError(
             "layer record header has an unknown codec or dtype or a table that does not add up"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
 from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
-from kvstore.format.layer_pack import encode_pack, is_pack, split_pack
+from kvstore.format.layer_pack import encode_pack, is_pack, parse_table, split_pack
 from kvstore.format.layer_record import (
     LayerGeometry,
     encode_layer_record,
@@ -91,7 +91,7 @@ def memory_record(data: bytes, dtype: str, meta: BlockMeta | None = None) -> byt
 
 def raw_pack(meta: BlockMeta, data: bytes | memoryview) -> bytes:
     """The pack `data` of block `meta` with every layer record uncompressed (the same bytes if raw)."""
-    parts = split_pack(data, meta.chunk_id(meta.pack_index), meta.num_layers)
+    parts = split_pack(data, parse_table(data, meta.chunk_id(meta.pack_index), meta.num_layers))
     raws = [raw_layer_record(part) for part in parts]
     if all(len(r) == len(p) for r, p in zip(raws, parts, strict=True)):
         return bytes(data)

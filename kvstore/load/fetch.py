@@ -54,6 +54,17 @@ class Fetched(NamedTuple):
     trusted: bool
 
 
+class WholePack(NamedTuple):
+    """A packed block's pack read whole: its bytes, its layer records (views of them) and where
+    each starts in it, where it came from."""
+
+    data: memoryview
+    parts: list[memoryview]
+    offsets: list[int]
+    tier: str
+    trusted: bool
+
+
 class FetchedRanges(NamedTuple):
     """Byte ranges of one record, all from `tier`."""
 
@@ -205,45 +216,74 @@ class RecordFetcher:
 
     # -- packed blocks (layout v3) ------------------------------------------------------------
 
-    def _whole_packed(
-        self, meta: BlockMeta, indices: Sequence[int], model: ModelSpec
-    ) -> list[Fetched] | None:
-        """`whole_records` of a packed block: views of the pack memory holds, else of the pack read
-        whole (every layer wanted) or each record's span (a few) from the fastest durable tier."""
+    def whole_pack(self, meta: BlockMeta, model: ModelSpec) -> WholePack | None:
+        """A packed block's whole pack, fastest tier first: memory's (trusted), else read whole from
+        a durable tier, its table and the checksum of its records verified (a remote one whose table,
+        records or a header fails its checks, against `model` too, is a miss). None if no tier
+        holds it.
+
+        Raises:
+            ChecksumError: a local pack's table fails its checks (GeometryError: another layer count).
+        """
         memory, pack = self.tiers.memory, meta.pack_index
         held = memory.get_chunks(meta, [pack])[0]
         if held is not None:
             self._index.touch_memory(meta, [pack])
             table = self._table(memory, meta, held)
-            if table is None:
-                return None
-            self._counters.add_many({f"chunk_hits.{memory.name}": 1, f"bytes_read.{memory.name}": len(held)})
-            return [
-                Fetched(held[slice(*table.span(i - meta.num_layers))], memory.name, True) for i in indices
-            ]
-        if len(indices) < meta.num_layers:  # a few layers: their spans, not the whole pack
-            spans = [self.ranges(meta, i, [(0, 1 << 62)]) for i in indices]
-            if any(s is None for s in spans):
-                return None
-            return [Fetched(s.data[0], s.tier.name, s.trusted) for s in spans if s is not None]
+            if table is not None:
+                self._counters.add_many(
+                    {f"chunk_hits.{memory.name}": 1, f"bytes_read.{memory.name}": len(held)}
+                )
+                parts = [held[a:b] for a, b in map(table.span, range(meta.num_layers))]
+                return WholePack(held, parts, table.offsets, memory.name, True)
         for tier in self.tiers.durable:
             data = self._get(tier, meta, [pack])[0]
             if data is None:
                 continue
             try:
-                parts = split_pack(data, meta.chunk_id(pack), meta.num_layers)
+                table = parse_table(data, meta.chunk_id(pack), meta.num_layers)
+                parts = split_pack(data, table)
                 if self.tiers.is_remote(tier):  # a miss, not an error, if any header is wrong
                     for layer, part in enumerate(parts):
-                        parse_header(
-                            part, meta.chunk_id(meta.num_layers + layer), layer_geometry(meta, layer, model)
-                        )
+                        geometry = layer_geometry(meta, layer, model)
+                        parse_header(part, meta.chunk_id(meta.num_layers + layer), geometry)
             except ChecksumError as exc:
                 if self.refuse_remote(tier, meta, exc):
                     continue
                 raise
             self._counters.add_many({f"chunk_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
-            return [Fetched(parts[i - meta.num_layers], tier.name, False) for i in indices]
+            return WholePack(data, parts, table.offsets, tier.name, False)
         return None
+
+    def promote_pack(
+        self, meta: BlockMeta, pack: WholePack, headers: Sequence[LayerHeader], chunks: Sequence[Array]
+    ) -> None:
+        """Copy a pack read whole from a slower tier, every record of it verified (`headers`, decoded
+        `chunks`), into memory: the same bytes if every record is raw, else re-encoded raw."""
+        if pack.trusted:
+            return
+        if all(h.codec == "raw" for h in headers):
+            if self._index.promote(meta, meta.pack_index, pack.data):
+                for layer, header in enumerate(headers):  # memory now holds these very bytes
+                    self._keep(meta, meta.num_layers + layer, header)
+            return
+        raws = [raw_from_chunks(h, c) for h, c in zip(headers, chunks, strict=True)]
+        self._index.promote(meta, meta.pack_index, encode_pack(meta.chunk_id(meta.pack_index), raws))
+
+    def _whole_packed(
+        self, meta: BlockMeta, indices: Sequence[int], model: ModelSpec
+    ) -> list[Fetched] | None:
+        """`whole_records` of a packed block: views of its whole pack when memory holds it or every
+        layer is wanted, else each record's span (a few layers) from the fastest tier."""
+        if len(indices) == meta.num_layers or self.all_in_memory(meta, indices):
+            pack = self.whole_pack(meta, model)
+            if pack is None:
+                return None
+            return [Fetched(pack.parts[i - meta.num_layers], pack.tier, pack.trusted) for i in indices]
+        spans = [self.ranges(meta, i, [(0, 1 << 62)]) for i in indices]  # clipped to each record's span
+        if any(s is None for s in spans):
+            return None
+        return [Fetched(s.data[0], s.tier.name, s.trusted) for s in spans if s is not None]
 
     def _pack_ranges(
         self, tier: Tier, meta: BlockMeta, index: int, ranges: Sequence[tuple[int, int]]

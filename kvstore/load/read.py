@@ -22,7 +22,8 @@ from kvstore.index.store_index import StoreIndex
 from kvstore.load.assemble import Destination
 from kvstore.load.fetch import RecordFetcher
 from kvstore.load.plan import LoadPlan
-from kvstore.load.read_layered import load_units
+from kvstore.load.read_layered import load_units, reads_whole
+from kvstore.load.read_packed import load_pack_units
 from kvstore.load.stream import BlockStream
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
@@ -93,7 +94,12 @@ class BlockReader:
         if not all(self.tiers.memory.has_chunk(meta.key, i) for i in stored_records(meta, units)):
             prefetch.start(block_index)
         into = None if destination is None else destination.claim(len(units) * meta.chunk_tokens)
-        return load_units(self.layer_records, meta, block_index, units, model, into)
+        fetcher = self.layer_records
+        if meta.is_packed and (
+            reads_whole(len(set(units)), meta.chunks_per_layer) or fetcher.all_in_memory(meta, [])
+        ):  # the whole pack: every layer in one copy per run
+            return load_pack_units(fetcher, meta, block_index, units, model, into)
+        return load_units(fetcher, meta, block_index, units, model, into)
 
     def read_records(
         self, meta: BlockMeta, block_index: int, indices: list[int], model: ModelSpec,

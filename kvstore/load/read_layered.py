@@ -16,7 +16,6 @@ import numpy as np
 
 from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.format.layer_pack import table_bytes
 from kvstore.format.layer_record import (
     LayerHeader,
     decode_layer_record,
@@ -68,12 +67,12 @@ def load_units(
     """
     if not units:
         return []
-    layers, c = meta.num_layers, meta.chunk_tokens
+    layers = meta.num_layers
     order = np.asarray(units, dtype=np.int64)
     indices = _layer_indices(meta)
     whole = reads_whole(len(set(units)), meta.chunks_per_layer) or fetcher.all_in_memory(meta, indices)
     parts = fetcher.whole_records(meta, indices, model) if whole else None
-    runs = _runs(order)
+    runs = runs_of(order)
     out: Array | None = None
     copies: list[tuple[Array, Array]] = []  # (part of out, chunks), made once every layer is read
     lengths: list[list[int]] = []
@@ -88,30 +87,39 @@ def load_units(
             return None
         chunks, layer_lengths, overhead, tier = got
         if out is None:
-            out = _units_array(into, layers, len(units), chunks)
-        copies.extend(_run_copies(_layer_units(out, into is out, layer, len(units)), chunks, runs))
+            out = units_array(into, layers, len(units), chunks)
+        dest = layer_units_view(out, into is out, layers, len(units))[layer]
+        copies.extend(_run_copies(dest, chunks, runs))
         lengths.append(layer_lengths)
         read += overhead
         tiers.add(tier)
     assert out is not None
-    if whole and meta.is_packed:  # the pack's table, read with its records
-        read += table_bytes(meta.num_layers)
     copy_pairs(copies)  # in two threads: the block's layers are 6 MB for SmolLM2
     tier = next((t for t in tiers if t != "memory"), "memory")
-    per_unit = np.asarray(lengths, np.int64)[:, order].sum(axis=0)
-    per_unit[0] += read
+    return loaded_units(meta, block_index, order, out, into is out, np.asarray(lengths, np.int64), read, tier)
+
+
+def loaded_units(
+    meta: BlockMeta, block_index: int, order: Array, out: Array, token_major: bool, lengths: Array,
+    beside: int, tier: str,
+) -> list[LoadedChunk]:  # fmt: skip
+    """The `LoadedChunk` of each unit `order[i]`, its KV a view of `out` (`units_array`) and its
+    `nbytes` its chunks' stored `lengths` (layers, chunks) summed, the first one's plus `beside`."""
+    c = meta.chunk_tokens
+    per_unit = lengths[:, order].sum(axis=0)
+    per_unit[0] += beside
     positions = meta.start + order[:, None] * c + np.arange(c, dtype=np.int64)
-    if into is out:  # unit i is tokens [i * c, (i + 1) * c) of the caller's destination
-        kvs = [out[:, :, :, i * c : (i + 1) * c] for i in range(len(units))]
+    if token_major:  # unit i is tokens [i * c, (i + 1) * c) of the caller's destination
+        kvs = [out[:, :, :, i * c : (i + 1) * c] for i in range(len(order))]
     else:
-        kvs = [out[:, i] for i in range(len(units))]
+        kvs = [out[:, i] for i in range(len(order))]
     return [
         LoadedChunk(block_index, u, positions[i], kvs[i], tier, nbytes)
         for i, (u, nbytes) in enumerate(zip(order.tolist(), per_unit.tolist(), strict=True))
     ]
 
 
-def _units_array(into: Array | None, layers: int, num_units: int, chunks: Array) -> Array:
+def units_array(into: Array | None, layers: int, num_units: int, chunks: Array) -> Array:
     """`into` if the chunks fit it as they are (shape and dtype), else a new array of the units,
     (layers, units, 2, heads, c, dim): each unit's layers then lie in contiguous runs."""
     _, two, heads, c, dim = chunks.shape
@@ -121,15 +129,15 @@ def _units_array(into: Array | None, layers: int, num_units: int, chunks: Array)
     return np.empty((layers, num_units, *chunks.shape[1:]), chunks.dtype)
 
 
-def _layer_units(out: Array, token_major: bool, layer: int, num_units: int) -> Array:
-    """Layer `layer` of `out` as (units, 2, heads, c, dim), a view (no copy is made)."""
+def layer_units_view(out: Array, token_major: bool, layers: int, num_units: int) -> Array:
+    """`out` (`units_array`) as (layers, units, 2, heads, c, dim), a view (no copy is made)."""
     if not token_major:
-        return out[layer]
+        return out
     two, heads, tokens, dim = out.shape[1:]
-    return out[layer].reshape(two, heads, num_units, tokens // num_units, dim).transpose(2, 0, 1, 3, 4)
+    return out.reshape(layers, two, heads, num_units, tokens // num_units, dim).transpose(0, 3, 1, 2, 4, 5)
 
 
-def _runs(order: Array) -> list[tuple[int, int, int]]:
+def runs_of(order: Array) -> list[tuple[int, int, int]]:
     """(first unit, first chunk, count) per run of consecutive chunk numbers in `order`: a run is
     one strided copy (a full load in order is one run per layer)."""
     breaks = np.flatnonzero(np.diff(order) != 1) + 1
@@ -239,7 +247,7 @@ def read_raw_runs(
     chunk_bytes = 2 * model.num_kv_heads * meta.chunk_tokens * model.head_dim * model.itemsize
     laid_out = [
         (size + first * chunk_bytes, size + (first + count) * chunk_bytes, list(range(first, first + count)))
-        for _, first, count in _runs(np.asarray(wanted, dtype=np.int64))
+        for _, first, count in runs_of(np.asarray(wanted, dtype=np.int64))
     ]
     got = fetcher.ranges(meta, index, [(0, size), *[(start, end) for start, end, _ in laid_out]])
     head = None if got is None else _verified_header(fetcher, meta, index, got, model)

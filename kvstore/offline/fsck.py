@@ -31,7 +31,7 @@ from kvstore.errors import (
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import decode_chunk
 from kvstore.format.key_summary import decode_summary
-from kvstore.format.layer_pack import split_pack
+from kvstore.format.layer_pack import parse_table, split_pack
 from kvstore.format.layer_record import decode_layer_record
 from kvstore.keys import ROOT_KEY, parse_chunk_key
 from kvstore.offline.progress import progress_bar
@@ -208,7 +208,7 @@ def _check_block(tier: LmdbTier, meta: BlockMeta) -> list[FsckProblem]:
             if summary:
                 decode_summary(data, expect)
             elif meta.is_packed:  # the pack's table, then every record in it as below
-                for layer, part in enumerate(split_pack(data, expect, meta.num_layers)):
+                for layer, part in enumerate(split_pack(data, parse_table(data, expect, meta.num_layers))):
                     decode_layer_record(part, meta.chunk_id(meta.num_layers + layer))
             elif layer_record:  # header and every chunk's checksum
                 decode_layer_record(data, expect)

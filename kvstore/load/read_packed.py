@@ -1,0 +1,119 @@
+"""Full loads of packed layered blocks (layout v3): the whole pack, every layer in one copy.
+
+A packed block's layer records lie in one value (kvstore/format/layer_pack.py). When a load
+reads it whole (memory holds it, or every chunk is wanted), this module verifies every
+record of it (a record memory holds: its header, parsed once and kept), promotes it to
+memory in one piece, and copies the chosen chunks of all layers into the caller's
+destination. Raw records of one block are all the same size, so the chunks of every layer
+are one strided view of the pack, (layers, chunks, 2, kv_heads, chunk_tokens, head_dim): a
+run of consecutive chunks is then one copy of every layer (two, one per copy thread),
+where the per-layer path (kvstore/load/read_layered.py `load_units`) makes one per layer
+and run, with a round of Python each. Partial loads of packs from a slower tier read
+ranges there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.layer_pack import table_bytes
+from kvstore.format.layer_record import LayerHeader, decode_layer_record
+from kvstore.format.layered_block import layer_geometry
+from kvstore.load.assemble import copy_pairs
+from kvstore.load.fetch import Fetched, RecordFetcher, WholePack
+from kvstore.load.read_layered import layer_units_view, loaded_units, runs_of, units_array
+from kvstore.model import ModelSpec
+from kvstore.values import Array, LoadedChunk
+
+
+def load_pack_units(
+    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int], model: ModelSpec,
+    into: Array | None = None,
+) -> list[LoadedChunk] | None:  # fmt: skip
+    """As kvstore/load/read_layered.py `load_units`, for a packed block read whole: one all-layer
+    `LoadedChunk` per unit, bit-exact, or None if no tier holds the pack.
+
+    Raises:
+        ChecksumError: a local pack or a record in it fails its checks (GeometryError: describes
+            other geometry than `meta` and `model` imply).
+    """
+    if not units:
+        return []
+    pack = fetcher.whole_pack(meta, model)
+    if pack is None:
+        return None
+    headers, layers = _verified_layers(fetcher, meta, pack, model)
+    fetcher.promote_pack(meta, pack, headers, layers)
+    order = np.asarray(units, dtype=np.int64)
+    num_layers = meta.num_layers
+    stacked = _stacked(pack, headers)
+    out = units_array(into, num_layers, len(units), stacked[0] if stacked is not None else layers[0])
+    dest = layer_units_view(out, into is out, num_layers, len(units))  # (layers, units, 2, heads, c, dim)
+    copies: list[tuple[Array, Array]] = []
+    half = num_layers // 2
+    for first, chunk, count in runs_of(order):
+        if stacked is not None:  # every layer at once, in two halves (the two copy threads)
+            for part in (slice(0, half), slice(half, num_layers)):
+                copies.append((dest[part, first : first + count], stacked[part, chunk : chunk + count]))
+        else:
+            for layer in range(num_layers):
+                copies.append((dest[layer, first : first + count], layers[layer][chunk : chunk + count]))
+    copy_pairs(copies)
+    lengths = np.asarray([h.lengths for h in headers], np.int64)
+    chosen = sorted(set(order.tolist()))
+    if pack.trusted:  # a view of memory: only the table, the headers and the chosen chunks are read
+        beside = table_bytes(num_layers) + sum(h.size for h in headers)
+    else:
+        beside = len(pack.data) - int(lengths[:, chosen].sum())
+    return loaded_units(meta, block_index, order, out, into is out, lengths, beside, pack.tier)
+
+
+def _verified_layers(
+    fetcher: RecordFetcher, meta: BlockMeta, pack: WholePack, model: ModelSpec
+) -> tuple[list[LayerHeader], list[Array]]:
+    """Every layer record of `pack`: its header (checked against the geometry `meta` and `model`
+    imply) and its chunks (num_chunks, 2, kv_heads, chunk_tokens, head_dim). Their bytes are
+    verified already (`RecordFetcher.whole_pack`: memory's are trusted, a pack read from a slower
+    tier has the checksum of all its records checked). A pack memory holds has its headers checked
+    only (parsed once, then kept) and no chunks decoded (empty list): `_stacked` views them all."""
+    headers: list[LayerHeader] = []
+    layers: list[Array] = []
+    for layer, part in enumerate(pack.parts):
+        index, geometry = meta.record_index(layer, 0), layer_geometry(meta, layer, model)
+        known = fetcher.known_header(meta, index, Fetched(part, pack.tier, pack.trusted), geometry)
+        if known is not None and known.codec == "raw" and len(part) == known.total_bytes:
+            headers.append(known)
+            continue
+        # chunks verified: memory's are trusted, and a pack read whole had its records' checksum checked
+        header, chunks = decode_layer_record(part, meta.chunk_id(index), True, known, geometry)
+        headers.append(header)
+        layers.append(chunks)
+    if len(layers) not in (0, len(headers)):  # some decoded, some not: decode the rest the same way
+        layers = [decode_layer_record(p, None, True, h)[1] for p, h in zip(pack.parts, headers, strict=True)]
+    return headers, layers
+
+
+def _stacked(pack: WholePack, headers: list[LayerHeader]) -> Array | None:
+    """Every layer's chunks as one strided view of the pack, (layers, chunks, 2, kv_heads,
+    chunk_tokens, head_dim), when every record is raw and of one size (then they lie at one
+    stride); else None. Only what `_verified_layers` verified is viewed."""
+    first = headers[0]
+    uniform = all(
+        h.codec == "raw" and h.total_bytes == first.total_bytes and h.size == first.size for h in headers
+    )
+    stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
+    if not uniform or any(b - a != stride for a, b in itertools.pairwise(pack.offsets)):
+        return None
+    chunk = first.chunk_shape()
+    shape = (len(headers), first.num_chunks, *chunk)
+    item = first.dtype.itemsize
+    inner = (int(np.prod(chunk)) * item, *(int(np.prod(chunk[i + 1 :])) * item for i in range(len(chunk))))
+    view: Array = np.ndarray(
+        shape, first.dtype, buffer=pack.data, offset=pack.offsets[0] + first.size, strides=(stride, *inner)
+    )
+    view.flags.writeable = False
+    return view

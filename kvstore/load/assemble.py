@@ -152,7 +152,8 @@ def _place_group(
             (out, slice(slot + int(a), slot + int(b)), c.kv)
             for c, a, b in zip(group, starts, ends, strict=True)
         ]
-    run_copies([copy for copy in copies if not _in_place(*copy)])
+    first_byte = out.__array_interface__["data"][0]  # once per group: 32 chunks a block
+    run_copies([copy for copy in copies if not _in_place(*copy, first_byte)])
     parts.append(positions)
     return slot + int(ends[-1])
 
@@ -166,13 +167,14 @@ def _check_shape(chunk: LoadedChunk, out: Array) -> None:
         )
 
 
-def _in_place(dst: Array, index: Index, src: Array) -> bool:
+def _in_place(dst: Array, index: Index, src: Array, dst_first_byte: int) -> bool:
     """Whether `src` already is `dst[:, :, :, index]` (a view of it that a `Destination` lent):
-    the same first byte, shape and strides (checked without making the view: 256 chunks a load)."""
+    the same first byte, shape and strides (checked without making the view: 256 chunks a load).
+    `dst_first_byte`: the address of `dst`'s first byte."""
     if not isinstance(index, slice) or src.strides != dst.strides or src.dtype != dst.dtype:
         return False
     start, stop, step = index.indices(dst.shape[3])
-    first = dst.__array_interface__["data"][0] + start * dst.strides[3]
+    first = dst_first_byte + start * dst.strides[3]
     same_shape = step == 1 and src.shape == (*dst.shape[:3], stop - start, dst.shape[4])
     return same_shape and src.__array_interface__["data"][0] == first
 

@@ -87,6 +87,8 @@ class RecordFetcher:
         self._tables: dict[tuple[str, bytes, int], PackTable] = {}
         # Verified raw layer records of packs read from a slower tier, by block, until all are in
         self._pending: dict[tuple[bytes, int], dict[int, tuple[bytes | memoryview, LayerHeader]]] = {}
+        # Every header of a pack memory holds, verified together (a full load checks none again)
+        self._packs: dict[tuple[bytes, int], list[LayerHeader]] = {}
         self._lock = threading.Lock()  # guards _tables and _pending (loads read blocks in threads)
 
     def known_header(
@@ -107,6 +109,18 @@ class RecordFetcher:
             self._keep(meta, index, header)
         return header
 
+    def known_pack(self, meta: BlockMeta) -> list[LayerHeader] | None:
+        """The headers of every record of the pack memory holds of `meta`, if all were verified
+        together before (`keep_pack`): the same bytes whenever it is promoted, as for `known_header`."""
+        return self._packs.get((meta.key, meta.layout_version))
+
+    def keep_pack(self, meta: BlockMeta, headers: list[LayerHeader]) -> None:
+        """Remember the verified headers of every record of the pack memory holds of `meta`."""
+        with self._lock:
+            if len(self._packs) >= _MAX_TABLES:
+                self._packs.clear()
+            self._packs[(meta.key, meta.layout_version)] = headers
+
     def _keep(self, meta: BlockMeta, index: int, header: LayerHeader) -> None:
         if len(self._headers) >= _MAX_HEADERS:
             self._headers.clear()
@@ -121,6 +135,8 @@ class RecordFetcher:
                 self._tables.pop(table, None)
             for pending in [k for k in self._pending if k[0] == key]:
                 self._pending.pop(pending, None)
+            for pack in [k for k in self._packs if k[0] == key]:
+                self._packs.pop(pack, None)
 
     def refuse_remote(self, tier: Tier, meta: BlockMeta, exc: ChecksumError) -> bool:
         """A record of `tier` failed its checks with `exc`. If `tier` is the shared remote tier,
@@ -266,6 +282,7 @@ class RecordFetcher:
             if self._index.promote(meta, meta.pack_index, pack.data):
                 for layer, header in enumerate(headers):  # memory now holds these very bytes
                     self._keep(meta, meta.num_layers + layer, header)
+                self.keep_pack(meta, list(headers))
             return
         raws = [raw_from_chunks(h, c) for h, c in zip(headers, chunks, strict=True)]
         self._index.promote(meta, meta.pack_index, encode_pack(meta.chunk_id(meta.pack_index), raws))

@@ -80,6 +80,9 @@ def _verified_layers(
     verified already (`RecordFetcher.whole_pack`: memory's are trusted, a pack read from a slower
     tier has the checksum of all its records checked). A pack memory holds has its headers checked
     only (parsed once, then kept) and no chunks decoded (empty list): `_stacked` views them all."""
+    kept = fetcher.known_pack(meta) if pack.trusted else None
+    if kept is not None:
+        return kept, []
     headers: list[LayerHeader] = []
     layers: list[Array] = []
     for layer, part in enumerate(pack.parts):
@@ -94,6 +97,8 @@ def _verified_layers(
         layers.append(chunks)
     if len(layers) not in (0, len(headers)):  # some decoded, some not: decode the rest the same way
         layers = [decode_layer_record(p, None, True, h)[1] for p, h in zip(pack.parts, headers, strict=True)]
+    if pack.trusted and not layers:
+        fetcher.keep_pack(meta, headers)
     return headers, layers
 
 
@@ -108,10 +113,10 @@ def _stacked(pack: WholePack, headers: list[LayerHeader]) -> Array | None:
     stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
     if not uniform or any(b - a != stride for a, b in itertools.pairwise(pack.offsets)):
         return None
-    chunk = first.chunk_shape()
-    shape = (len(headers), first.num_chunks, *chunk)
-    item = first.dtype.itemsize
-    inner = (int(np.prod(chunk)) * item, *(int(np.prod(chunk[i + 1 :])) * item for i in range(len(chunk))))
+    shape = (len(headers), first.num_chunks, *first.chunk_shape())
+    inner = [first.dtype.itemsize]  # a chunk's C-order strides, then the chunks'
+    for size in reversed(shape[2:]):
+        inner.insert(0, inner[0] * size)
     view: Array = np.ndarray(
         shape, first.dtype, buffer=pack.data, offset=pack.offsets[0] + first.size, strides=(stride, *inner)
     )

@@ -22,6 +22,7 @@ from engine_adapter.sampling import Sampling
 from engine_adapter.topup import CAP, THETA, DecodeTopUp, TopUpSettings, decoding
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
+from kvstore.format.layer_pack import table_bytes
 from kvstore.format.layer_record import header_bytes
 from kvstore.store.tiered import TieredStore
 from tests.conftest import corrupt_chunk
@@ -233,7 +234,11 @@ def test_a_store_error_during_a_top_up_stops_it_and_the_answer_goes_on(
     victim = next(c for c in range(per_block, 2 * per_block) if c not in set(first.tolist()))
     chunk_bytes = 2 * lm.spec.num_kv_heads * 8 * lm.spec.head_dim * 2  # raw fp16
     offset = header_bytes(per_block) + (victim - per_block) * chunk_bytes + chunk_bytes // 2
-    corrupt_chunk(_config(tmp_path / "s"), second_block.key, second_block.record_index(layer, 0), offset)
+    index = second_block.record_index(layer, 0)
+    if second_block.is_packed:  # the layer's record inside the block's pack (raw: all one size)
+        record = header_bytes(per_block) + per_block * chunk_bytes
+        index, offset = second_block.pack_index, table_bytes(lm.spec.num_layers) + layer * record + offset
+    corrupt_chunk(_config(tmp_path / "s"), second_block.key, index, offset)
     sampling = Sampling(max_tokens=STEPS, temperature=0.0)
     with TieredStore(_config(tmp_path / "s")) as reopened, torch.inference_mode():
         engine = Engine(lm, reopened, topup=TopUpSettings(theta=0.0, cap=1.0))  # asks for every chunk

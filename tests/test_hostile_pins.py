@@ -55,8 +55,8 @@ def dropped_and_stored_again(tmp_path: Path) -> Iterator[tuple[Sidecar, KVClient
         assert a.store(PREFIX, PREFIX_KV, model=TINY, namespace="a").new_blocks == 3
     server.kill()
     keys = block_keys(PREFIX, B, TINY.fingerprint, namespace_digest("a"))
-    layer_record = TINY.num_layers + 1  # block 1's record of layer 1 (summaries come first)
-    corrupt_chunk(StoreConfig(data_dir=tmp_path / "data"), keys[1], layer_record)
+    pack = TINY.num_layers  # block 1's layer pack (summaries come first); its end is layer 1's record
+    corrupt_chunk(StoreConfig(data_dir=tmp_path / "data"), keys[1], pack, offset=-100)
     server.start()  # restarted: memory is empty, the next read of that record comes from disk
     try:
         with KVClient(server.address, token="tok-a", use_shm=False) as a:

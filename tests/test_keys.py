@@ -44,7 +44,7 @@ def test_block_key_chain_vectors(index: int) -> None:
     assert [k.hex() for k in keys] == chain["keys"]
 
 
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", [0, 1, 2])
 def test_layered_chunk_key_vectors(index: int) -> None:
     vector = _vectors()["layered_chunk_keys"][index]
     version = layered_layout_version(vector["layer_chunk_tokens"], vector.get("packed", False))

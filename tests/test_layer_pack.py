@@ -25,7 +25,7 @@ from kvstore.errors import ChecksumError, NotFoundError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import ChunkId, GeometryError
 from kvstore.format.layer_pack import encode_pack, parse_table, split_pack, table_bytes
-from kvstore.format.layer_record import encode_layer_record, header_bytes
+from kvstore.format.layer_record import encode_layer_record, header_bytes, headers_like, parse_header
 from kvstore.keys import chunk_key
 from kvstore.store.tiered import TieredStore
 
@@ -278,3 +278,18 @@ def test_v2_blocks_keep_loading_beside_packs(tmp_path: Path) -> None:
             got = load.read_layer(1, chosen)
             np.testing.assert_array_equal(got.kv, kv[1][:, :, got.positions])
             assert got.positions[::C].tolist() == [c * C for c in chosen]
+
+
+def test_headers_checked_at_once_are_the_headers_parsed_one_by_one() -> None:
+    records = _records(3)
+    pack = memoryview(encode_pack(PACK_ID, records))
+    table = parse_table(pack, PACK_ID, 3)
+    stride = table.offsets[1] - table.offsets[0]
+    first = parse_header(records[0])
+    indices = [3, 4, 5]
+    assert headers_like(first, pack, table.offsets[0], stride, indices) == [parse_header(r) for r in records]
+    assert headers_like(first, pack, table.offsets[0], stride, [3, 5, 4]) is None  # another layer's index
+    forged = bytearray(pack)
+    forged[table.offsets[2] + 66] ^= 1  # record 2's head dim: its header checksum is not what is compared
+    assert headers_like(first, memoryview(forged), table.offsets[0], stride, indices) is None
+    assert headers_like(first, pack, table.offsets[0], stride + 2, indices) is None  # misaligned

@@ -213,6 +213,46 @@ def parse_header(
     )
 
 
+_INDEX_AT = _HEADER.size - 14  # the record index: u32 before kv heads, head dim, chunk tokens (u16), n (u32)
+
+
+def headers_like(
+    first: LayerHeader, data: memoryview, start: int, stride: int, indices: Sequence[int]
+) -> list[LayerHeader] | None:
+    """The headers of records at `start + i * stride` in `data` (`first`'s record the first of them)
+    if each is `first`'s byte for byte but for its record index (`indices[i]`), its chunks'
+    checksums and its header checksum; else None (parse them one by one then).
+
+    For records whose bytes are verified already (a layer pack's records checksum, or memory):
+    their header checksums are not checked again, everything else a header says is `first`'s
+    (identity but the index, geometry, codec, chunk table offsets and lengths), compared for
+    all records at once where `parse_header` takes ~20 us of Python each (240 a 2,048-token load).
+    """
+    size, n = first.size, first.num_chunks
+    if len(indices) == 0 or start + (len(indices) - 1) * stride + size > len(data):
+        return None
+    rows: Array = np.ndarray((len(indices), size), np.uint8, buffer=data, offset=start, strides=(stride, 1))
+    same = np.ones(size, bool)
+    same[_INDEX_AT : _INDEX_AT + 4] = False
+    entries = same[_HEADER.size : _HEADER.size + n * _ENTRY.itemsize].reshape(n, _ENTRY.itemsize)
+    entries[:, 8:] = False  # each chunk's checksum
+    same[size - _CHECKSUM.size :] = False
+    if not np.array_equal(rows[:, same], np.broadcast_to(rows[0, same], (len(indices), int(same.sum())))):
+        return None
+    found = rows[:, _INDEX_AT : _INDEX_AT + 4].copy().view("<u4").ravel()
+    if found.tolist() != list(indices) or found[0] != first.record_id.chunk_index:
+        return None
+    checksums = rows[:, _HEADER.size : _HEADER.size + n * _ENTRY.itemsize].copy().view(_ENTRY)["checksum"]
+    rid = first.record_id
+    return [
+        first._replace(
+            record_id=ChunkId(rid.fingerprint, rid.namespace, rid.block_key, rid.layout_version, i),
+            checksums=c,
+        )
+        for i, c in zip(indices, checksums.tolist(), strict=True)
+    ]
+
+
 @functools.lru_cache(maxsize=64)
 def _table(num_chunks: int) -> struct.Struct:
     """The chunk table of `num_chunks` entries (offset, length, checksum) as one struct."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.layer_pack import table_bytes
-from kvstore.format.layer_record import LayerHeader, decode_layer_record
+from kvstore.format.layer_record import LayerHeader, decode_layer_record, headers_like, parse_header
 from kvstore.format.layered_block import layer_geometry
 from kvstore.load.assemble import copy_pairs
 from kvstore.load.fetch import Fetched, RecordFetcher, WholePack
@@ -81,6 +81,10 @@ def _verified_layers(
     tier has the checksum of all its records checked). A pack memory holds has its headers checked
     only (parsed once, then kept) and no chunks decoded (empty list): `_stacked` views them all."""
     kept = fetcher.known_pack(meta) if pack.trusted else None
+    if kept is None:
+        kept = _raw_headers_at_once(fetcher, meta, pack, model)
+        if kept is not None and pack.trusted:
+            fetcher.keep_pack(meta, kept)
     if kept is not None:
         return kept, []
     headers: list[LayerHeader] = []
@@ -100,6 +104,28 @@ def _verified_layers(
     if pack.trusted and not layers:
         fetcher.keep_pack(meta, headers)
     return headers, layers
+
+
+def _raw_headers_at_once(
+    fetcher: RecordFetcher, meta: BlockMeta, pack: WholePack, model: ModelSpec
+) -> list[LayerHeader] | None:
+    """The headers of a pack of raw records of one size, all checked at once: the first parsed and
+    checked in full, the others compared with it (`headers_like`). None if the pack is not such."""
+    offsets, parts = pack.offsets, pack.parts
+    index, geometry = meta.record_index(0, 0), layer_geometry(meta, 0, model)
+    first = fetcher.known_header(meta, index, Fetched(parts[0], pack.tier, pack.trusted), geometry)
+    if first is None:
+        first = parse_header(parts[0], meta.chunk_id(index), geometry)
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else first.total_bytes
+    uniform = first.codec == "raw" and first.total_bytes == stride
+    if (
+        not uniform
+        or any(len(p) != stride for p in parts)
+        or any(b - a != stride for a, b in itertools.pairwise(offsets))
+    ):
+        return None
+    indices = [meta.record_index(layer, 0) for layer in range(meta.num_layers)]
+    return headers_like(first, pack.data, offsets[0], stride, indices)
 
 
 def _stacked(pack: WholePack, headers: list[LayerHeader]) -> Array | None:

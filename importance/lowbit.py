@@ -48,7 +48,7 @@ def quantize(keys: Array, bits: int, group_tokens: int) -> LowBitKeys:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if group_tokens < 1:
         raise ValueError(f"group_tokens must be >= 1, got {group_tokens}")
-    k = np.asarray(keys, dtype=np.float32)
+    k = np.array(keys, dtype=np.float32)  # a copy: the codes are computed in it, in place
     if k.ndim != 3:
         raise ValueError(f"keys must be (kv_heads, tokens, head_dim), got shape {k.shape}")
     if not np.isfinite(k).all():
@@ -65,8 +65,13 @@ def quantize(keys: Array, bits: int, group_tokens: int) -> LowBitKeys:
         span = part.max(axis=1) - low.astype(np.float32)
         step = _fp16_at_least(np.where(span > 0, span / levels, 1.0))
         low16[:, g], step16[:, g] = low, step
-        q = np.rint((part - low[:, None].astype(np.float32)) / step[:, None].astype(np.float32))
-        codes[:, g * group_tokens : (g + 1) * group_tokens] = np.clip(q, 0, levels)
+        # in place, the same operations as rint(clip((part - low) / step)): a store quantises every
+        # layer's keys (6 MB of fp32 a block of SmolLM2), and new arrays there cost more than the math
+        np.subtract(part, low[:, None].astype(np.float32), out=part)
+        np.divide(part, step[:, None].astype(np.float32), out=part)
+        np.rint(part, out=part)
+        np.clip(part, 0, levels, out=part)
+        codes[:, g * group_tokens : (g + 1) * group_tokens] = part
     return LowBitKeys(codes, low16, step16, bits, group_tokens)
 
 

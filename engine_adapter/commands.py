@@ -9,12 +9,11 @@ own them (`Sampling`, `Limits`, `ServerConfig`) without slowing `kvsieve --help`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstore.api import LoadStream
+from engine_adapter.reports import print_budget, print_event, print_layered, print_timings
 from kvstore.budget import AutoBudget, parse_budget, resolve_budget
 from kvstore.cli.flags import Subcommands, add_command, add_flags, build_from_flags_and_env, parameter_default
 from kvstore.cli.settings import build_config
@@ -22,8 +21,7 @@ from kvstore.errors import InvalidInputError, KVSieveError
 from kvstore.server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from engine_adapter.dsl.run import Event
-    from engine_adapter.layered import LayeredReport
+    pass
 
 ENGINE_SKIPS = ("metrics_listen", "max_store_tokens", "shm")
 """ServerConfig fields that the engine server does not use (no flag, refused in [engine])."""
@@ -184,9 +182,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             store.close()
     print(result.text)
     if args.verbose:
-        _print_timings(args, result, lm.spec.fingerprint.hex())
-        _print_budget(budget, engine.last_load)
-        _print_layered(engine.last_layered)
+        print_timings(args, result, lm.spec.fingerprint.hex())
+        print_budget(budget, engine.last_load)
+        print_layered(engine.last_layered)
     if engine.transfer.last_error:
         error = engine.transfer.last_error
         print(f"copy to {lm.device} failed ({error}): prompt recomputed", file=sys.stderr)
@@ -218,60 +216,6 @@ def _fraction_arg(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"coverage must be a fraction in (0, 1], got {text!r}")
     return value
-
-
-def _print_budget(budget: float | int | AutoBudget, stream: LoadStream | None) -> None:
-    """`generate -v`: what the budget really delivered and read (stderr)."""
-    if stream is None:
-        return
-    word = f"auto (coverage {budget.coverage})" if isinstance(budget, AutoBudget) else f"{budget}"
-    print(
-        f"budget {word}: delivered {stream.delivered_fraction:.1%} of the cached prefix's tokens, "
-        f"read {stream.read_fraction:.1%} of its bytes, "
-        f"estimated attention mass {stream.estimated_coverage:.1%}",
-        file=sys.stderr,
-    )
-
-
-def _print_layered(report: LayeredReport | None) -> None:
-    """`generate -v`: what a layer-by-layer load chose and read, or why it fell back (stderr)."""
-    if report is None:
-        return
-    if report.error:
-        print(f"layer-by-layer load abandoned ({report.error}): prompt recomputed", file=sys.stderr)
-        return
-    print(
-        f"layer by layer: {report.chunks_per_layer} chunks of {report.chunk_tokens} tokens per layer chosen "
-        f"by the queries of the last {report.query_tokens} of {report.new_tokens} new tokens; "
-        f"delivered {report.delivered_fraction:.1%} of the cached prefix's tokens, "
-        f"read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%}, "
-        f"top-up {report.topup_fraction:.1%})",
-        file=sys.stderr,
-    )
-    stopped = f"; stopped: {report.topup_error}" if report.topup_error else ""
-    print(
-        f"top-up while decoding: {report.topup_chunks} chunks, {report.topup_bytes} bytes, "
-        f"in {report.topup_steps} steps ({report.topup_s * 1e3:.0f} ms){stopped}",
-        file=sys.stderr,
-    )
-
-
-def _print_timings(args: argparse.Namespace, result: Any, fingerprint: str) -> None:
-    """`generate -v`: where the prompt's tokens came from and where the time went (stderr)."""
-    from engine_adapter.model import cache_dir
-    from engine_adapter.reuse import reuse_summary
-
-    t = result.timings
-    print(
-        f"\nprompt {result.prompt_tokens} tokens: {result.matched_tokens} cached, "
-        f"{result.loaded_tokens} loaded (budget {args.budget}), {result.computed_tokens} computed; "
-        f"{result.stored_blocks} new blocks stored\n"
-        f"lookup {t.lookup_s * 1e3:.1f} ms, load {t.load_s * 1e3:.1f} ms, "
-        f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms "
-        f"({len(result.token_ids)} tokens, {result.finish_reason})",
-        file=sys.stderr,
-    )
-    print(reuse_summary(result, fingerprint, cache_dir() / "prefill-rates.json"), file=sys.stderr)
 
 
 def _read_context(source: str) -> str:
@@ -310,7 +254,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(load_model(args.model, device=device), store, namespace=args.namespace)
         for event in run_program(engine, source, values, limits=limits, keep=args.keep):
-            _print_event(event, args.json)
+            print_event(event, args.json)
             exit_code = 1 if event.kind == "error" else exit_code
     except (ValueError, FileNotFoundError, KVSieveError):
         raise  # main prints these (exit 2)
@@ -327,17 +271,6 @@ def _positive(name: str, value: Any) -> None:
     """Every DSL limit is a count or a time that must be above zero."""
     if not value > 0:
         raise ValueError(f"{name} must be > 0")
-
-
-def _print_event(event: Event, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"kind": event.kind, "name": event.name, "value": event.value,
-                          "elapsed_s": event.elapsed_s}), flush=True)  # fmt: skip
-    elif event.kind == "yield":
-        value = "\n".join(event.value) if isinstance(event.value, list) else event.value
-        print(f"[{event.elapsed_s:7.2f}s] {event.name}: {value}", flush=True)
-    elif event.kind == "error":
-        print(f"kvsieve run: error: {event.value}", file=sys.stderr)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:

@@ -260,8 +260,8 @@ def test_bad_settings_are_refused_by_name() -> None:
 def test_generate_verbose_reports_the_top_up(
     lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]], capsys: Any
 ) -> None:
-    from engine_adapter.commands import _print_layered
     from engine_adapter.engine import Engine
+    from engine_adapter.reports import print_layered
 
     doc, question = prompt
     engine = Engine(lm, store)
@@ -269,7 +269,7 @@ def test_generate_verbose_reports_the_top_up(
         engine.generate(doc + question, Sampling(max_tokens=STEPS, temperature=0.0), budget=BUDGET)
     report = engine.last_layered
     assert report is not None and report.topup_chunks > 0
-    _print_layered(report)
+    print_layered(report)
     err = capsys.readouterr().err
     assert f"top-up while decoding: {report.topup_chunks} chunks, {report.topup_bytes} bytes" in err
     assert f"top-up {report.topup_fraction:.1%})" in err

@@ -15,9 +15,9 @@ from bench.quality_bench import SHIPPED_CONFIG, forward, prefix_state
 from bench.quality_masking import MaskPlan, masking
 from bench.texts import token_windows
 from engine_adapter.array_layers import ArrayLayers
-from engine_adapter.commands import _print_layered
 from engine_adapter.layered import CHOOSE_WITH_LAST, chunk_positions, layer_queries, layered_prefill
 from engine_adapter.layered_policy import MIN_LAYERED_FRACTION, chunks_for_fraction, static_auto_fraction
+from engine_adapter.reports import print_layered
 from importance.query_select import choose_layer_chunks
 from importance.summaries import ChunkLayout
 from kvstore.api import Tokens
@@ -181,7 +181,7 @@ def test_a_checksum_error_mid_pass_recomputes_the_prompt(
         reference = Engine(lm, None).prefill(prefix + question)
     report = engine.last_layered
     assert report is not None and "layer 7" in report.error
-    _print_layered(report)
+    print_layered(report)
     assert "abandoned" in capsys.readouterr().err
     victim = store.opened[-1]
     assert victim.delivered_tokens == 7 * report.chunks_per_layer * 8 and victim.closed  # failed mid-pass
@@ -207,7 +207,7 @@ def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
     assert report is not None and not report.error and engine.last_load is None
     assert report.chunks_per_layer == chunks_for_fraction(0.3, store.opened[-1]) and store.opened[-1].closed
     assert 0 < report.summary_fraction < report.read_fraction <= 0.3
-    _print_layered(report)  # what `kvsieve generate -v` prints
+    print_layered(report)  # what `kvsieve generate -v` prints
     printed = capsys.readouterr().err
     assert f"{report.chunks_per_layer} chunks of 8 tokens per layer" in printed
     assert f"the last 16 of {len(question)} new tokens" in printed  # the default, CHOOSE_WITH_LAST

@@ -1,0 +1,84 @@
+"""What `kvsieve generate -v` and `kvsieve run` print beside the answer (engine_adapter/commands.py).
+
+Kept apart from the commands' flags and dispatch: each function formats one report of the
+engine (a budget's delivery, a layer-by-layer load, the timings, a workflow's events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from kvstore.api import LoadStream
+from kvstore.budget import AutoBudget
+
+if TYPE_CHECKING:
+    from engine_adapter.dsl.run import Event
+    from engine_adapter.layered import LayeredReport
+
+
+def print_budget(budget: float | int | AutoBudget, stream: LoadStream | None) -> None:
+    """`generate -v`: what the budget really delivered and read (stderr)."""
+    if stream is None:
+        return
+    word = f"auto (coverage {budget.coverage})" if isinstance(budget, AutoBudget) else f"{budget}"
+    print(
+        f"budget {word}: delivered {stream.delivered_fraction:.1%} of the cached prefix's tokens, "
+        f"read {stream.read_fraction:.1%} of its bytes, "
+        f"estimated attention mass {stream.estimated_coverage:.1%}",
+        file=sys.stderr,
+    )
+
+
+def print_layered(report: LayeredReport | None) -> None:
+    """`generate -v`: what a layer-by-layer load chose and read, or why it fell back (stderr)."""
+    if report is None:
+        return
+    if report.error:
+        print(f"layer-by-layer load abandoned ({report.error}): prompt recomputed", file=sys.stderr)
+        return
+    print(
+        f"layer by layer: {report.chunks_per_layer} chunks of {report.chunk_tokens} tokens per layer chosen "
+        f"by the queries of the last {report.query_tokens} of {report.new_tokens} new tokens; "
+        f"delivered {report.delivered_fraction:.1%} of the cached prefix's tokens, "
+        f"read {report.read_fraction:.1%} of its bytes (summaries {report.summary_fraction:.1%}, "
+        f"top-up {report.topup_fraction:.1%})",
+        file=sys.stderr,
+    )
+    stopped = f"; stopped: {report.topup_error}" if report.topup_error else ""
+    print(
+        f"top-up while decoding: {report.topup_chunks} chunks, {report.topup_bytes} bytes, "
+        f"in {report.topup_steps} steps ({report.topup_s * 1e3:.0f} ms){stopped}",
+        file=sys.stderr,
+    )
+
+
+def print_timings(args: argparse.Namespace, result: Any, fingerprint: str) -> None:
+    """`generate -v`: where the prompt's tokens came from and where the time went (stderr)."""
+    from engine_adapter.model import cache_dir
+    from engine_adapter.reuse import reuse_summary
+
+    t = result.timings
+    print(
+        f"\nprompt {result.prompt_tokens} tokens: {result.matched_tokens} cached, "
+        f"{result.loaded_tokens} loaded (budget {args.budget}), {result.computed_tokens} computed; "
+        f"{result.stored_blocks} new blocks stored\n"
+        f"lookup {t.lookup_s * 1e3:.1f} ms, load {t.load_s * 1e3:.1f} ms, "
+        f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms "
+        f"({len(result.token_ids)} tokens, {result.finish_reason})",
+        file=sys.stderr,
+    )
+    print(reuse_summary(result, fingerprint, cache_dir() / "prefill-rates.json"), file=sys.stderr)
+
+
+def print_event(event: Event, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"kind": event.kind, "name": event.name, "value": event.value,
+                          "elapsed_s": event.elapsed_s}), flush=True)  # fmt: skip
+    elif event.kind == "yield":
+        value = "\n".join(event.value) if isinstance(event.value, list) else event.value
+        print(f"[{event.elapsed_s:7.2f}s] {event.name}: {value}", flush=True)
+    elif event.kind == "error":
+        print(f"kvsieve run: error: {event.value}", file=sys.stderr)

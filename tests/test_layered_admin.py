@@ -106,6 +106,25 @@ def test_relayout_to_layered_migrates_every_block(tmp_path: Path) -> None:
     assert relayout(tmp_path, to_layered=True).blocks_migrated == 0  # nothing left to do
 
 
+def test_relayout_to_layered_repacks_v2_blocks_and_they_load_bit_exact(tmp_path: Path) -> None:
+    prompts = _fill(tmp_path, "layered", pack=False)  # layout v2: a value per layer record
+    v2_records = 2 * TINY.num_layers
+    assert fsck(tmp_path).chunks_checked == PROMPTS * 3 * v2_records
+    result = kvsieve("relayout", "--data-dir", str(tmp_path), "--to-layered")
+    assert result.returncode == 0, result.stderr
+    assert f"repacked {PROMPTS * 3} of layout v2 (0 already packed)" in result.stdout
+    assert _check_loads(tmp_path, prompts) == {"layered": PROMPTS * 3}
+    report = fsck(tmp_path)
+    assert report.clean and report.chunks_checked == PROMPTS * 3 * RECORDS  # and no v2 record is left
+    with TieredStore(_config(tmp_path, "layered")) as store:
+        tokens, kv = prompts[2]
+        assert all(n.payload.is_packed for n in store.tree.nodes())
+        with store.open_layers(tokens, model=TINY) as load:
+            np.testing.assert_array_equal(load.read_layer(0, [1, 6]).kv[:, :, :8], kv[0][:, :, 8:16])
+    again = relayout(tmp_path, to_layered=True)
+    assert (again.blocks_repacked, again.layered_blocks_skipped) == (0, PROMPTS * 3)
+
+
 def test_relayout_to_layered_killed_between_its_two_transactions(tmp_path: Path) -> None:
     prompts = _fill(tmp_path, "importance")
     result = kvsieve(

@@ -144,7 +144,8 @@ def _relayout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     layer_chunk = parameter_default(relayout, "layer_chunk_tokens")
     p.add_argument("--to-layered", action="store_true",
-                   help="migrate importance-layout blocks to the layered layout")  # fmt: skip
+                   help="migrate importance-layout blocks to the layered layout, and repack "
+                        "layered blocks of layout v2 (a value per layer record) as layer packs")  # fmt: skip
     p.add_argument("--layer-chunk-tokens", type=int, default=layer_chunk,
                    help=f"tokens per per-layer chunk of migrated blocks ({layer_chunk})")  # fmt: skip
 
@@ -246,7 +247,8 @@ def _cmd_relayout(args: argparse.Namespace) -> int:
         verb = "would migrate" if report.dry_run else "migrated"
         print(
             f"examined {report.blocks_examined} blocks; {verb} {report.blocks_migrated} to the layered "
-            f"layout ({report.layered_blocks_skipped} already layered), "
+            f"layout and repacked {report.blocks_repacked} of layout v2 "
+            f"({report.layered_blocks_skipped} already packed), "
             f"{report.bytes_written / 1e6:.1f} MB written"
         )
         return 0

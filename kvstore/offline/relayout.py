@@ -34,6 +34,7 @@ from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import decode_chunk, encode_chunk
+from kvstore.format.layer_record import decode_layer_record
 from kvstore.format.layered_block import encode_layered
 from kvstore.keys import parse_chunk_key
 from kvstore.offline.progress import progress_bar
@@ -47,7 +48,8 @@ class RelayoutReport:
 
     Layered blocks are never re-ordered (prompt order is their layout): they are counted
     in `layered_blocks_skipped`. `blocks_migrated` counts importance-layout blocks that
-    `to_layered` rewrote in the layered layout.
+    `to_layered` rewrote in the layered layout, `blocks_repacked` layered blocks of layout v2
+    (a value per layer record) it rewrote as packs (v3).
     """
 
     blocks_examined: int = 0
@@ -58,6 +60,7 @@ class RelayoutReport:
     corrupt_blocks_skipped: int = 0
     layered_blocks_skipped: int = 0
     blocks_migrated: int = 0
+    blocks_repacked: int = 0
     read_amp_before: float = 1.0
     read_amp_after: float = 1.0
     dry_run: bool = False
@@ -191,17 +194,41 @@ def _migrate(tier: LmdbTier, chunk_tokens: int, dry_run: bool, progress: bool) -
         report.stale_chunks_removed = _sweep_stale_chunks(tier)
     for meta in progress_bar(metas, progress, "relayout --to-layered"):
         report.blocks_examined += 1
-        if meta.is_layered:
+        if meta.is_packed:
             report.layered_blocks_skipped += 1
             continue
-        read = None if dry_run else _read_block_kv(tier, meta)
+        reader = _read_layer_records if meta.is_layered else _read_block_kv
+        read = None if dry_run else reader(tier, meta)
         if read is None and not dry_run:
             report.corrupt_blocks_skipped += 1
             continue
-        report.blocks_migrated += 1
+        if meta.is_layered:  # v2: the same chunks, packed (its own chunk size kept)
+            report.blocks_repacked += 1
+        else:
+            report.blocks_migrated += 1
         if read is not None:
-            report.bytes_written += _write_layered(tier, meta, *read, chunk_tokens)
+            size = meta.chunk_tokens if meta.is_layered else chunk_tokens
+            report.bytes_written += _write_layered(tier, meta, *read, size)
     return report
+
+
+def _read_layer_records(tier: LmdbTier, meta: BlockMeta) -> tuple[np.ndarray, str] | None:
+    """A v2 layered block's KV (layers, 2, kv_heads, tokens, head_dim) from its layer records, and
+    their codec; None if one is missing or corrupt (fsck's job)."""
+    indices = [meta.record_index(layer, 0) for layer in range(meta.num_layers)]
+    layers = []
+    codec = "raw"
+    try:
+        for index, data in zip(indices, tier.get_chunks(meta, indices), strict=True):
+            if data is None:
+                return None
+            header, chunks = decode_layer_record(data, meta.chunk_id(index))
+            n, two, heads, c, dim = chunks.shape
+            layers.append(chunks.transpose(1, 2, 0, 3, 4).reshape(two, heads, n * c, dim))
+            codec = header.codec
+    except ChecksumError:
+        return None
+    return np.stack(layers), codec
 
 
 def _write_layered(

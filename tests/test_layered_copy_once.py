@@ -59,7 +59,9 @@ def test_a_lent_destination_receives_every_layered_chunk(stored: tuple[TieredSto
         destination = Destination(np.empty(TINY.kv_shape(N), TINY.np_dtype))
         blocks.destination = destination
         chunks = list(stream)
-        assert len(chunks) == N // C and destination.next_slot == N
+        # a packed block's consecutive chunks come as one chunk per run (a full block: one)
+        assert len(chunks) == N // B and destination.next_slot == N
+        assert [c.positions.tolist() for c in chunks] == [list(range(b * B, (b + 1) * B)) for b in range(3)]
         assert all(np.shares_memory(c.kv, destination.out) for c in chunks)
         destination.out.flags.writeable = False  # place_chunks must write nothing: all is in place
         placed = place_chunks(chunks, destination.out, at_positions=False)

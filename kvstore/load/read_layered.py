@@ -101,13 +101,28 @@ def load_units(
 
 def loaded_units(
     meta: BlockMeta, block_index: int, order: Array, out: Array, token_major: bool, lengths: Array,
-    beside: int, tier: str,
+    beside: int, tier: str, runs: bool = False,
 ) -> list[LoadedChunk]:  # fmt: skip
     """The `LoadedChunk` of each unit `order[i]`, its KV a view of `out` (`units_array`) and its
-    `nbytes` its chunks' stored `lengths` (layers, chunks) summed, the first one's plus `beside`."""
+    `nbytes` its chunks' stored `lengths` (layers, chunks) summed, the first one's plus `beside`.
+
+    `runs`: where `out` is the caller's destination (`token_major`), one `LoadedChunk` per run of
+    consecutive units instead (a full block is one): its tokens are adjacent there, and every
+    chunk a load yields costs a round of Python in each consumer (256 units of 8 tokens a
+    2,048-token load, where the importance layout yields 128 chunks)."""
     c = meta.chunk_tokens
     per_unit = lengths[:, order].sum(axis=0)
     per_unit[0] += beside
+    if token_major and runs:  # one chunk per run of consecutive units: a view of its tokens
+        ends = np.cumsum(per_unit).tolist()
+        return [
+            LoadedChunk(
+                block_index, chunk, meta.start + np.arange(chunk * c, (chunk + count) * c, dtype=np.int64),
+                out[:, :, :, first * c : (first + count) * c], tier,
+                int(ends[first + count - 1] - (ends[first - 1] if first else 0)),
+            )
+            for first, chunk, count in runs_of(order)
+        ]  # fmt: skip
     positions = meta.start + order[:, None] * c + np.arange(c, dtype=np.int64)
     if token_major:  # unit i is tokens [i * c, (i + 1) * c) of the caller's destination
         kvs = [out[:, :, :, i * c : (i + 1) * c] for i in range(len(order))]

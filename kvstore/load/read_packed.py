@@ -34,8 +34,9 @@ def load_pack_units(
     fetcher: RecordFetcher, meta: BlockMeta, block_index: int, units: Sequence[int], model: ModelSpec,
     into: Array | None = None,
 ) -> list[LoadedChunk] | None:  # fmt: skip
-    """As kvstore/load/read_layered.py `load_units`, for a packed block read whole: one all-layer
-    `LoadedChunk` per unit, bit-exact, or None if no tier holds the pack.
+    """As kvstore/load/read_layered.py `load_units`, for a packed block read whole: all-layer
+    `LoadedChunk`s, bit-exact (one per run of consecutive units when `into` is lent: a view of
+    its tokens there), or None if no tier holds the pack.
 
     Raises:
         ChecksumError: a local pack or a record in it fails its checks (GeometryError: describes
@@ -69,7 +70,7 @@ def load_pack_units(
         beside = table_bytes(num_layers) + sum(h.size for h in headers)
     else:
         beside = len(pack.data) - int(lengths[:, chosen].sum())
-    return loaded_units(meta, block_index, order, out, into is out, lengths, beside, pack.tier)
+    return loaded_units(meta, block_index, order, out, into is out, lengths, beside, pack.tier, runs=True)
 
 
 def _verified_layers(

@@ -38,8 +38,11 @@ class LowBitKeys(NamedTuple):
     group_tokens: int
 
 
-def quantize(keys: Array, bits: int, group_tokens: int) -> LowBitKeys:
+def quantize(keys: Array, bits: int, group_tokens: int, scratch: bool = False) -> LowBitKeys:
     """Quantise keys (kv_heads, tokens, head_dim) per channel and group of tokens.
+
+    `scratch`: `keys` is a float32 array the caller no longer needs; the codes are computed in it
+    (no copy; its values are lost).
 
     Raises:
         ValueError: bits outside 1..8, group_tokens < 1, or keys not 3-D / not finite.
@@ -48,11 +51,12 @@ def quantize(keys: Array, bits: int, group_tokens: int) -> LowBitKeys:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if group_tokens < 1:
         raise ValueError(f"group_tokens must be >= 1, got {group_tokens}")
-    k = np.array(keys, dtype=np.float32)  # a copy: the codes are computed in it, in place
+    if scratch and isinstance(keys, np.ndarray) and keys.dtype == np.float32:
+        k = keys
+    else:
+        k = np.array(keys, dtype=np.float32)  # a copy: the codes are computed in it, in place
     if k.ndim != 3:
         raise ValueError(f"keys must be (kv_heads, tokens, head_dim), got shape {k.shape}")
-    if not np.isfinite(k).all():
-        raise ValueError("keys must be finite")
     levels = (1 << bits) - 1
     heads, n, dim = k.shape
     groups = -(-n // group_tokens)
@@ -61,8 +65,11 @@ def quantize(keys: Array, bits: int, group_tokens: int) -> LowBitKeys:
     step16 = np.empty((heads, groups, dim), dtype=np.float16)
     for g in range(groups):
         part = k[:, g * group_tokens : (g + 1) * group_tokens]
-        low = _fp16_at_most(part.min(axis=1))
-        span = part.max(axis=1) - low.astype(np.float32)
+        lowest, highest = part.min(axis=1), part.max(axis=1)
+        if not (np.isfinite(lowest).all() and np.isfinite(highest).all()):  # a NaN or inf anywhere shows here
+            raise ValueError("keys must be finite")
+        low = _fp16_at_most(lowest)
+        span = highest - low.astype(np.float32)
         step = _fp16_at_least(np.where(span > 0, span / levels, 1.0))
         low16[:, g], step16[:, g] = low, step
         # in place, the same operations as rint(clip((part - low) / step)): a store quantises every

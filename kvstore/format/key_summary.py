@@ -98,7 +98,9 @@ def encode_summaries(record_ids: Sequence[ChunkId], keys: Array, bits: int = SUM
         )
     layers, heads, tokens, dim = k.shape
     try:  # heads of every layer as one batch: one group of `tokens` per (head, channel)
-        low_bit = quantize(k.astype(np.float32).reshape(layers * heads, tokens, dim), bits, tokens)
+        low_bit = quantize(
+            k.astype(np.float32).reshape(layers * heads, tokens, dim), bits, tokens, scratch=True
+        )
     except ValueError as exc:
         raise InvalidInputError(f"summary keys: {exc}") from exc
     codes = _pack_layers(low_bit.codes.reshape(layers, heads * tokens * dim), bits)

@@ -71,17 +71,26 @@ def table_bytes(num_layers: int) -> int:
 
 def encode_pack(pack_id: ChunkId, records: Sequence[bytes | memoryview]) -> bytes:
     """One pack of `records` (a block's layer records, layer 0 first) under `pack_id`."""
-    lengths = [len(memoryview(r)) for r in records]
+    return encode_pack_parts(pack_id, [[record] for record in records])
+
+
+def encode_pack_parts(pack_id: ChunkId, records: Sequence[Sequence[bytes | memoryview]]) -> bytes:
+    """`encode_pack` of records given in parts (`layer_record_parts`: a header, then each chunk's
+    bytes): the pack is then the one copy of their bytes."""
+    lengths = [sum(memoryview(p).nbytes for p in parts) for parts in records]
     starts = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1])) + table_bytes(len(records))
     hasher = xxhash.xxh3_64()
-    for record in records:
-        hasher.update(record)
+    for parts in records:
+        for part in parts:
+            hasher.update(part)
     head = _HEADER.pack(
         MAGIC, FORMAT_VERSION, pack_id.fingerprint, pack_id.namespace, pack_id.block_key,
         pack_id.layout_version, pack_id.chunk_index, len(records), hasher.intdigest(),
     )  # fmt: skip
     body = head + b"".join(_ENTRY.pack(int(s), n) for s, n in zip(starts, lengths, strict=True))
-    return b"".join((body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *records))
+    return b"".join(
+        (body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *(p for parts in records for p in parts))
+    )
 
 
 def parse_table(data: bytes | memoryview, expect: ChunkId, num_layers: int) -> PackTable:

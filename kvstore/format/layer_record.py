@@ -118,6 +118,18 @@ def encode_layer_record(
     """Encode one layer of one block, `kv` (2, kv_heads, tokens, head_dim) in prompt order.
 
     Raises:
+        InvalidInputError: as `layer_record_parts`.
+    """
+    return b"".join(layer_record_parts(record_id, kv, dtype, chunk_tokens, codec, zstd_level))
+
+
+def layer_record_parts(
+    record_id: ChunkId, kv: Array, dtype: str, chunk_tokens: int, codec: str = "raw", zstd_level: int = 1
+) -> list[bytes | memoryview]:
+    """`encode_layer_record`'s bytes in parts (header, then each chunk's stored bytes), not joined:
+    a layer pack joins every layer's parts once (kvstore/format/layer_pack.py `encode_pack`).
+
+    Raises:
         InvalidInputError: unknown codec, a shape other than the above, or tokens not a
             multiple of `chunk_tokens`.
     """
@@ -147,7 +159,7 @@ def encode_layer_record(
         heads, dim, chunk_tokens, n,
     )  # fmt: skip
     body = head + table.tobytes()
-    return b"".join((body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *payloads))
+    return [body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *payloads]
 
 
 def parse_header(

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
 from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
-from kvstore.format.layer_pack import encode_pack, is_pack, parse_table, split_pack
+from kvstore.format.layer_pack import encode_pack, encode_pack_parts, is_pack, parse_table, split_pack
 from kvstore.format.layer_record import (
     LayerGeometry,
-    encode_layer_record,
     is_layer_record,
+    layer_record_parts,
     raw_layer_record,
 )
 from kvstore.model import ModelSpec
@@ -44,13 +44,13 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
     """
     records = encode_summaries([meta.chunk_id(layer) for layer in range(meta.num_layers)], kv[:, 0])
     layers = [
-        encode_layer_record(meta.chunk_id(meta.record_index(layer, 0)), kv[layer], dtype, meta.chunk_tokens,
-                            codec, zstd_level)
+        layer_record_parts(meta.chunk_id(meta.record_index(layer, 0)), kv[layer], dtype, meta.chunk_tokens,
+                           codec, zstd_level)
         for layer in range(meta.num_layers)
     ]  # fmt: skip
-    if meta.is_packed:
-        return [*records, encode_pack(meta.chunk_id(meta.pack_index), layers)]
-    return [*records, *layers]
+    if meta.is_packed:  # the parts joined once, into the pack
+        return [*records, encode_pack_parts(meta.chunk_id(meta.pack_index), layers)]
+    return [*records, *(b"".join(parts) for parts in layers)]
 
 
 def layer_geometry(meta: BlockMeta, layer: int, model: ModelSpec) -> LayerGeometry:

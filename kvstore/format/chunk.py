@@ -174,6 +174,20 @@ def decode_chunk(
     return DecodedChunk(chunk_id, codec, positions, kv)
 
 
+def verify_header(view: memoryview, size: int, version: int, expected: int, what: str) -> None:
+    """Check a header of `size` bytes at the start of `view`, of format version `expected`,
+    that ends with the xxh3-64 (u64) of the bytes before it (layer records and layer packs).
+
+    Raises:
+        ChecksumError: another version, fewer than `size` bytes, or a checksum mismatch.
+    """
+    if version != expected or len(view) < size:
+        raise ChecksumError(f"{what} truncated or version {version} ({len(view)} bytes)")
+    stored = _CHECKSUM.unpack_from(view, size - _CHECKSUM.size)[0]
+    if xxhash.xxh3_64_intdigest(view[: size - _CHECKSUM.size]) != stored:
+        raise ChecksumError(f"{what} checksum mismatch")
+
+
 def reencode_raw(data: bytes | memoryview, dtype: str) -> bytes:
     """The same chunk re-encoded uncompressed (what the memory tier holds: no zstd on reads)."""
     decoded = decode_chunk(data)

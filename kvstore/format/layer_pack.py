@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ChecksumError
-from kvstore.format.chunk import ChunkId, GeometryError
+from kvstore.format.chunk import ChunkId, GeometryError, verify_header
 
 MAGIC = b"KVSP"
 FORMAT_VERSION = 1
@@ -106,17 +106,13 @@ def parse_table(data: bytes | memoryview, expect: ChunkId, num_layers: int) -> P
         raise ChecksumError(f"not a kvsieve layer pack (starts {bytes(view[:4])!r}, {len(view)} bytes)")
     _magic, version, fp, ns, key, layout, index, layers, records_checksum = _HEADER.unpack_from(view)
     size = table_bytes(layers)
-    if version != FORMAT_VERSION or len(view) < size:
-        raise ChecksumError(f"layer pack table truncated or version {version} ({len(view)} bytes)")
-    body = view[: size - _CHECKSUM.size]
-    if xxhash.xxh3_64_intdigest(body) != _CHECKSUM.unpack_from(view, size - _CHECKSUM.size)[0]:
-        raise ChecksumError("layer pack table checksum mismatch")
+    verify_header(view, size, version, FORMAT_VERSION, "layer pack table")
     found = ChunkId(fp, ns, key, layout, index)
     if found != expect:
         raise ChecksumError(f"layer pack identity mismatch: expected {expect}, found {found}")
     if layers != num_layers:
         raise GeometryError(f"layer pack holds {layers} layers; the block has {num_layers}")
-    entries = struct.unpack_from("<" + "II" * layers, body, _HEADER.size)
+    entries = struct.unpack_from("<" + "II" * layers, view, _HEADER.size)
     offsets, lengths = list(entries[0::2]), list(entries[1::2])
     adjacent = layers > 0 and offsets[0] == size
     adjacent = adjacent and all(o == p + q for o, p, q in zip(offsets[1:], offsets, lengths, strict=False))

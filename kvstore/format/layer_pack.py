@@ -28,6 +28,7 @@ verifies its chunks' own.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -114,9 +115,8 @@ def parse_table(data: bytes | memoryview, expect: ChunkId, num_layers: int) -> P
         raise GeometryError(f"layer pack holds {layers} layers; the block has {num_layers}")
     entries = struct.unpack_from("<" + "II" * layers, view, _HEADER.size)
     offsets, lengths = list(entries[0::2]), list(entries[1::2])
-    adjacent = layers > 0 and offsets[0] == size
-    adjacent = adjacent and all(o == p + q for o, p, q in zip(offsets[1:], offsets, lengths, strict=False))
-    if not adjacent:
+    adjacent = offsets == list(itertools.accumulate(lengths[:-1], initial=size))  # each after the last
+    if layers == 0 or not adjacent:
         raise ChecksumError("layer pack table does not describe adjacent records after it")
     return PackTable(offsets, lengths, records_checksum)
 

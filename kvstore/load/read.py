@@ -91,15 +91,14 @@ class BlockReader:
         (joined in `destination` when one is lent)."""
         if not meta.is_layered:
             return self.read_records(meta, block_index, indices=units, model=model, prefetch=prefetch)
-        if not all(self.tiers.memory.has_chunk(meta.key, i) for i in stored_records(meta, units)):
+        in_memory = all(self.tiers.memory.has_chunk(meta.key, i) for i in stored_records(meta, units))
+        if not in_memory:
             prefetch.start(block_index)
         into = None if destination is None else destination.claim(len(units) * meta.chunk_tokens)
-        fetcher = self.layer_records
-        if meta.is_packed and (
-            reads_whole(len(set(units)), meta.chunks_per_layer) or fetcher.all_in_memory(meta, [])
-        ):  # the whole pack: every layer in one copy per run
-            return load_pack_units(fetcher, meta, block_index, units, model, into)
-        return load_units(fetcher, meta, block_index, units, model, into)
+        if meta.is_packed and (in_memory or reads_whole(len(set(units)), meta.chunks_per_layer)):
+            # the whole pack (`stored_records`: the pack is what memory holds): one copy per run
+            return load_pack_units(self.layer_records, meta, block_index, units, model, into)
+        return load_units(self.layer_records, meta, block_index, units, model, into)
 
     def read_records(
         self, meta: BlockMeta, block_index: int, indices: list[int], model: ModelSpec,

@@ -79,8 +79,9 @@ def _verified_layers(
     """Every layer record of `pack`: its header (checked against the geometry `meta` and `model`
     imply) and its chunks (num_chunks, 2, kv_heads, chunk_tokens, head_dim). Their bytes are
     verified already (`RecordFetcher.whole_pack`: memory's are trusted, a pack read from a slower
-    tier has the checksum of all its records checked). A pack memory holds has its headers checked
-    only (parsed once, then kept) and no chunks decoded (empty list): `_stacked` views them all."""
+    tier has the checksum of all its records checked). A pack of raw records of one size (what
+    stores write; memory holds only such) has its headers checked at once (memory's kept after the
+    first time) and no chunks decoded (empty list): `_stacked` views them all."""
     kept = fetcher.known_pack(meta) if pack.trusted else None
     if kept is None:
         kept = _raw_headers_at_once(fetcher, meta, pack, model)
@@ -90,20 +91,13 @@ def _verified_layers(
         return kept, []
     headers: list[LayerHeader] = []
     layers: list[Array] = []
-    for layer, part in enumerate(pack.parts):
+    for layer, part in enumerate(pack.parts):  # zstd, or raw records of other sizes: one by one
         index, geometry = meta.record_index(layer, 0), layer_geometry(meta, layer, model)
         known = fetcher.known_header(meta, index, Fetched(part, pack.tier, pack.trusted), geometry)
-        if known is not None and known.codec == "raw" and len(part) == known.total_bytes:
-            headers.append(known)
-            continue
         # chunks verified: memory's are trusted, and a pack read whole had its records' checksum checked
         header, chunks = decode_layer_record(part, meta.chunk_id(index), True, known, geometry)
         headers.append(header)
         layers.append(chunks)
-    if len(layers) not in (0, len(headers)):  # some decoded, some not: decode the rest the same way
-        layers = [decode_layer_record(p, None, True, h)[1] for p, h in zip(pack.parts, headers, strict=True)]
-    if pack.trusted and not layers:
-        fetcher.keep_pack(meta, headers)
     return headers, layers
 
 

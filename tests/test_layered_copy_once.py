@@ -16,7 +16,13 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.format.chunk import ChunkId
-from kvstore.format.key_summary import encode_summaries, encode_summary
+from kvstore.format.key_summary import (
+    FINITE_LIMIT,
+    SummaryGeometry,
+    decode_summary,
+    encode_summaries,
+    encode_summary,
+)
 from kvstore.load.assemble import Destination, place_chunks
 from kvstore.load.stream import BlockStream
 from kvstore.store.tiered import TieredStore
@@ -122,5 +128,32 @@ def test_summaries_refuse_keys_of_another_shape() -> None:
     ids = [ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 1, 0)]
     with pytest.raises(InvalidInputError, match="1 layers"):
         encode_summaries(ids, np.zeros((2, 1, 4, 4), np.float16))
-    with pytest.raises(InvalidInputError, match="finite"):
-        encode_summaries(ids, np.full((1, 1, 4, 4), np.nan, np.float16))
+    with pytest.raises(InvalidInputError, match="bits"):
+        encode_summaries(ids, np.full((1, 1, 4, 4), np.nan, np.float16), bits=9)
+
+
+def test_non_finite_keys_are_summarised_as_finite_ones() -> None:
+    """A page pool's unused slots may hold anything: the summary takes them (NaN as 0, inf as
+    FINITE_LIMIT), so a layered store keeps any KV an engine hands over."""
+    ids = [ChunkId(b"f" * 16, b"n" * 16, b"k" * 16, 1, 0)]
+    keys = np.random.default_rng(3).standard_normal((1, 2, 8, 4)).astype(np.float16)
+    odd = keys.copy()
+    odd[0, 0, 1, 2], odd[0, 1, 3, 0], odd[0, 1, 5, 1] = np.nan, np.inf, -np.inf
+    tidy = keys.copy()
+    tidy[0, 0, 1, 2], tidy[0, 1, 3, 0], tidy[0, 1, 5, 1] = 0.0, FINITE_LIMIT, -FINITE_LIMIT
+    assert encode_summaries(ids, odd) == encode_summaries(ids, tidy) == [encode_summary(ids[0], odd[0])]
+    assert encode_summaries(ids, odd) != encode_summaries(ids, keys)
+    for bits in (1, 2, 8):  # every step and offset finite, so every decoded key is
+        (record,) = encode_summaries(ids, np.full((1, 1, 4, 4), np.inf, np.float16), bits)
+        assert np.isfinite(decode_summary(record, ids[0], SummaryGeometry(4, 1, 4)).dequantized()).all()
+
+
+def test_a_layered_store_keeps_non_finite_kv_bit_exact(tmp_path: Path) -> None:
+    toks, kv = make_tokens(N, 4), make_kv(TINY, N, 4)
+    kv[0, 0, 0, 3, 1], kv[1, 0, 0, 40, 0], kv[1, 1, 0, 7, 2] = np.nan, np.inf, -np.inf  # keys and a value
+    with TieredStore(_config(tmp_path)) as store:
+        store.store(toks, kv, model=TINY)
+    with TieredStore(_config(tmp_path)) as store:  # from disk
+        out = np.empty(TINY.kv_shape(N), TINY.np_dtype)
+        assert place_chunks(store.load(toks, model=TINY), out, at_positions=True).num_tokens == N
+        assert out.tobytes() == kv.tobytes()  # NaN compares unequal: the bytes are the test

@@ -65,5 +65,5 @@ def test_truncated_and_foreign_records_are_refused() -> None:
 def test_bad_keys_are_refused_by_name() -> None:
     with pytest.raises(InvalidInputError, match="shape"):
         encode_summary(RID, np.zeros((3, 8)))
-    with pytest.raises(InvalidInputError, match="finite"):
-        encode_summary(RID, np.full((1, 2, 2), np.inf))
+    with pytest.raises(InvalidInputError, match="bits"):
+        encode_summary(RID, np.full((1, 2, 2), np.inf), bits=0)

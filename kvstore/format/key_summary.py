@@ -41,6 +41,9 @@ SUMMARY_BITS = 2
 # kv heads, head dim, tokens, bits, group tokens, packed codes length
 _HEADER = struct.Struct("<4sH16s16s16sIIHHHBHI")
 _CHECKSUM = struct.Struct("<Q")
+#: Where `finite_keys` puts infinite keys: half fp16's largest value, so the span between the two
+#: (a group's step at 1 bit) is still a finite fp16.
+FINITE_LIMIT = float(np.finfo(np.float16).max) / 2
 
 
 class SummaryGeometry(NamedTuple):
@@ -66,19 +69,42 @@ def encode_summary(record_id: ChunkId, keys: Array, bits: int = SUMMARY_BITS) ->
     """Quantise one block's keys of one layer, (kv_heads, tokens, head_dim), into a record.
 
     The whole block is one group (`group_tokens` = tokens), as docs/importance.md measured.
+    Non-finite keys are summarised as `finite_keys` makes them (the block's KV is stored as given).
 
     Raises:
-        InvalidInputError: keys not 3-D or not finite, or bits outside 1..8.
+        InvalidInputError: keys not 3-D, or bits outside 1..8.
     """
     k = np.asarray(keys)
     if k.ndim != 3:
         raise InvalidInputError(f"summary keys must be (kv_heads, tokens, head_dim), got shape {k.shape}")
     tokens = k.shape[1]
+    low_bit = _quantize(k, bits, tokens, k.shape[0])
+    return _frame(record_id, low_bit, pack_codes(low_bit.codes, bits))
+
+
+def finite_keys(keys: Array) -> Array:
+    """float32 keys with NaN as 0 and infinities at `FINITE_LIMIT`.
+
+    A summary only estimates where attention goes, so it takes any KV an engine hands over
+    (a page pool's unused slots may hold anything): a NaN key scores as a zero key, an
+    infinite one as a very large one. The stored KV itself keeps its bytes.
+    """
+    limit = FINITE_LIMIT
+    return np.nan_to_num(np.asarray(keys, dtype=np.float32), nan=0.0, posinf=limit, neginf=-limit)
+
+
+def _quantize(keys: Array, bits: int, tokens: int, rows: int) -> LowBitKeys:
+    """`quantize` of `keys` as (rows, tokens, head_dim) in a float32 copy of its own, one group of
+    `tokens`; non-finite keys go through `finite_keys` (only then: the check is quantize's own)."""
     try:
-        low_bit = quantize(k.astype(np.float32), bits, tokens)
+        return quantize(keys.astype(np.float32).reshape(rows, tokens, -1), bits, tokens, scratch=True)
+    except ValueError as exc:
+        if np.isfinite(keys).all():
+            raise InvalidInputError(f"summary keys: {exc}") from exc
+    try:
+        return quantize(finite_keys(keys).reshape(rows, tokens, -1), bits, tokens, scratch=True)
     except ValueError as exc:
         raise InvalidInputError(f"summary keys: {exc}") from exc
-    return _frame(record_id, low_bit, pack_codes(low_bit.codes, bits))
 
 
 def encode_summaries(record_ids: Sequence[ChunkId], keys: Array, bits: int = SUMMARY_BITS) -> list[bytes]:
@@ -88,7 +114,7 @@ def encode_summaries(record_ids: Sequence[ChunkId], keys: Array, bits: int = SUM
     SmolLM2 block: 14 ms, not 26, most of a layered store's time).
 
     Raises:
-        InvalidInputError: keys not 4-D, not finite, or not one layer per record id; bits outside 1..8.
+        InvalidInputError: keys not 4-D or not one layer per record id; bits outside 1..8.
     """
     k = np.asarray(keys)
     if k.ndim != 4 or k.shape[0] != len(record_ids):
@@ -97,12 +123,7 @@ def encode_summaries(record_ids: Sequence[ChunkId], keys: Array, bits: int = SUM
             f"got shape {k.shape}"
         )
     layers, heads, tokens, dim = k.shape
-    try:  # heads of every layer as one batch: one group of `tokens` per (head, channel)
-        low_bit = quantize(
-            k.astype(np.float32).reshape(layers * heads, tokens, dim), bits, tokens, scratch=True
-        )
-    except ValueError as exc:
-        raise InvalidInputError(f"summary keys: {exc}") from exc
+    low_bit = _quantize(k, bits, tokens, layers * heads)  # every layer's heads as one batch
     codes = _pack_layers(low_bit.codes.reshape(layers, heads * tokens * dim), bits)
     frames = []
     for i, record_id in enumerate(record_ids):

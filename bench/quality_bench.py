@@ -30,7 +30,7 @@ import torch
 
 from bench.quality_masking import MaskPlan, masking, plans_active
 from bench.quality_methods import PrefixState, QAConfig, chooser, summary_charge
-from bench.texts import token_windows
+from bench.texts import stream_windows, token_windows
 from importance.scorers import PrefillScorer, PrefixEvidence
 from importance.summaries import AutoBudget, Budget, FixedBudget
 
@@ -130,7 +130,11 @@ def evaluate(
     close the message and ask in a new turn. One prefill serves both.
     """
     records: Records = {}
-    windows = token_windows(lm.tokenizer, prefix + CONTINUATION, first + count)[first:]
+    windows = token_windows(lm.tokenizer, prefix + CONTINUATION, first + count)
+    if len(windows) < first + count:  # long prefixes (8k): no license text is that long alone
+        joined = stream_windows(lm.tokenizer, prefix + CONTINUATION, first + count)
+        windows = [(f"stream@{i}", ids) for i, ids in enumerate(joined)]
+    windows = windows[first:]
     head = lm.tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
     with masking(lm.model), torch.inference_mode():
         for number, (name, ids) in enumerate(windows):

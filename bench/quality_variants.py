@@ -1,9 +1,13 @@
 """Variants of query-aware selection, compared at one budget (the exploration behind docs/importance.md).
 
     PYTHONPATH=$PWD OPENBLAS_NUM_THREADS=1 python -m bench.quality_variants --windows 4 --budget 0.25
+    ... --prefix 4096 --variants shipped,H8,L4,imp8 --methods qa_lowbit2,qa_lowbit1,qa_probe2
 
 Prints one line per (workload, variant:method) with the mean figures. Not a published
-benchmark: `kvsieve bench quality` measures the shipped choice against the baselines.
+benchmark: `kvsieve bench quality` measures the shipped choice against the baselines. The
+levers of issue #27 item 3 that did not ship stay here (docs/importance.md, "Cheaper summaries
+and finer choices"): `qa_lowbit1`, `qa_probe2` / `qa_probe4` (one KV head a layer), `H8` (a
+choice per KV head), `L4` (4-token chunks), `imp8` (chunks in importance order).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from bench.quality_bench import QUESTIONS, SHIPPED_CONFIG, Job, evaluate
+from bench.quality_bench import PREFIX, QUESTIONS, SHIPPED_CONFIG, Job, evaluate
 from bench.quality_methods import QAConfig
 
 BASE = QAConfig()
@@ -25,6 +29,11 @@ VARIANTS = {
         BASE, per_kv_head=False, chunk_tokens=8, sink_chunks=2, recent_chunks=2, static_weight=0.3
     ),
     "shipped": SHIPPED_CONFIG,
+    # issue 27's finer choices at the shipped method's bytes: per KV head, 4-token chunks, and
+    # 8-token chunks of each block's tokens in importance order (the importance layout inside a layer)
+    "H8": replace(SHIPPED_CONFIG, per_kv_head=True),
+    "L4": replace(SHIPPED_CONFIG, chunk_tokens=4, sink_chunks=4, recent_chunks=4),
+    "imp8": replace(SHIPPED_CONFIG, layout="importance"),
     "base": BASE,
     "layer": replace(BASE, per_kv_head=False),
     "noedge": replace(BASE, sink_chunks=0, recent_chunks=0),
@@ -43,6 +52,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help="skip this many windows")
     parser.add_argument("--baselines", default="static,sink_recent,snapkv")
     parser.add_argument("--questions", type=int, default=2)
+    parser.add_argument("--prefix", type=int, default=PREFIX, help="tokens of each window's cached prefix")
     parser.add_argument(
         "--budget", default="0.25", help="a fraction, or auto (the first variant's first method decides)"
     )
@@ -61,7 +71,9 @@ def main() -> None:
             jobs += [Job(f"{name}:{m}:prefix", m, budget, VARIANTS[name], "prefix") for m in qa]
     shipped = f"{args.variants.split(',')[0]}:{args.methods.split(',')[0]}"
     lm = load_model(quiet=True)
-    records = evaluate(lm, args.windows, QUESTIONS[: args.questions], jobs, shipped, first=args.first)
+    records = evaluate(
+        lm, args.windows, QUESTIONS[: args.questions], jobs, shipped, args.prefix, first=args.first
+    )
     for (workload, label, _), rows in sorted(records.items()):
         means = {f: round(float(np.mean([r[f] for r in rows])), 3) for f in rows[0]}
         print(workload, label, means, flush=True)

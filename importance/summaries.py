@@ -14,6 +14,7 @@ Summaries (all per KV head, keys only, sizes relative to the chunk's K+V in fp16
 | `mean` | mean key | q.mean, + log(size) |
 | `lowbitN` | every key, N-bit per channel (scale/offset per block) | logsumexp of q.k_hat |
 | `exact` | every key (reference: half the bytes) | logsumexp of q.k |
+| `probeN` | `lowbitN` of one KV head a layer (widest keys) | logsumexp of q.k_hat, its queries only |
 
 No torch here: the engine (or a benchmark) hands queries and keys over as arrays.
 """
@@ -180,6 +181,9 @@ class KeySummary:
             return _merge_heads(bound + log_size)
         if self.kind == "mean":
             return _merge_heads(per_kv @ self.fields["mean_t"][:, None] + log_size)
+        if "probe" in self.fields:  # one KV head summarised: only its group of query heads scores
+            head, kv_heads = (int(x) for x in self.fields["probe"])
+            per_kv = _per_kv_head(q, kv_heads)[head : head + 1]
         token = per_kv @ self.fields["keys_t"][:, None]  # (kv, group, m, slots in stored order)
         return _merge_heads(_logsumexp_chunks(token, self.layout))
 
@@ -222,6 +226,11 @@ def summarize(kind: str, keys: Array, layout: ChunkLayout, group_tokens: int = 2
         )
     if kind == "exact":
         return KeySummary(kind, layout, {"keys_t": _transposed(stored)}, n * d * ELEMENT_BYTES / full_bytes)
+    if kind.startswith("probe") and kind[5:].isdigit() and 1 <= int(kind[5:]) <= 8:
+        head = probe_head(stored)
+        one = summarize(f"lowbit{kind[5:]}", keys[head : head + 1], layout, group_tokens)
+        fields = one.fields | {"probe": np.array([head, stored.shape[0]])}
+        return KeySummary(kind, layout, fields, one.bytes_fraction / stored.shape[0])
     if kind.startswith("lowbit") and kind[6:].isdigit() and 1 <= int(kind[6:]) <= 8:
         bits = int(kind[6:])
         groups = -(-n // group_tokens)
@@ -229,6 +238,16 @@ def summarize(kind: str, keys: Array, layout: ChunkLayout, group_tokens: int = 2
         fields = {"keys_t": _transposed(quantize_keys(stored, bits, group_tokens))}
         return KeySummary(kind, layout, fields, summary_bytes / full_bytes)
     raise ValueError(f"unknown summary kind {kind!r} (minmax, mean, exact, lowbit1..lowbit8)")
+
+
+def probe_head(keys: Array) -> int:
+    """The KV head whose keys spread the most (summed per-channel variance over tokens).
+
+    Wider keys give sharper logits: that head's attention moves most with the query, so it
+    stands in for the layer when only one head is summarised.
+    """
+    k = np.asarray(keys, dtype=np.float32)
+    return int(np.argmax(k.var(axis=1).sum(axis=-1)))
 
 
 def key_summary_of(approx_keys: Array, layout: ChunkLayout, bytes_fraction: float) -> KeySummary:

@@ -14,6 +14,7 @@ from importance.summaries import (
     chunk_mass,
     fixed_budget,
     parse_budget,
+    probe_head,
     quantize_keys,
     static_chunk_mass,
     summarize,
@@ -82,6 +83,22 @@ def test_summary_bytes_fractions() -> None:
     assert summarize("exact", k, layout).bytes_fraction == pytest.approx(1 / 2)
     # 2 bits per key channel against 32 bits (K+V fp16), plus a fp16 offset and step per channel per block.
     assert summarize("lowbit2", k, layout).bytes_fraction == pytest.approx(1 / 16 + 1 / 256)
+
+
+def test_a_probe_summary_is_one_heads_lowbit_scored_by_that_heads_queries_only() -> None:
+    k, q = keys(256), queries()
+    k[1] *= 3.0  # head 1 spreads the most
+    layout = ChunkLayout.natural(256, 16)
+    assert probe_head(k) == 1
+    probe, full = summarize("probe2", k, layout), summarize("lowbit2", k, layout)
+    assert probe.bytes_fraction == pytest.approx(full.bytes_fraction / KV_HEADS)
+    logits = probe.chunk_logits(q, 0.125)
+    group = QUERY_HEADS // KV_HEADS
+    assert logits.shape == (group, q.shape[1], layout.num_chunks)  # head 1's three query heads
+    # the same logits as the full summary's for those query heads: head 1's codes are the same
+    assert np.allclose(logits, full.chunk_logits(q, 0.125)[group : 2 * group], atol=1e-4)
+    with pytest.raises(ValueError, match="unknown summary kind"):
+        summarize("probe9", k, layout)
 
 
 def test_quantized_keys_stay_within_half_a_step() -> None:

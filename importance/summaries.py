@@ -237,7 +237,7 @@ def summarize(kind: str, keys: Array, layout: ChunkLayout, group_tokens: int = 2
         summary_bytes = n * d * bits / 8 + groups * 2 * d * ELEMENT_BYTES
         fields = {"keys_t": _transposed(quantize_keys(stored, bits, group_tokens))}
         return KeySummary(kind, layout, fields, summary_bytes / full_bytes)
-    raise ValueError(f"unknown summary kind {kind!r} (minmax, mean, exact, lowbit1..lowbit8)")
+    raise ValueError(f"unknown summary kind {kind!r} (minmax, mean, exact, lowbit1..lowbit8, probe1..probe8)")
 
 
 def probe_head(keys: Array) -> int:

@@ -89,8 +89,8 @@ def finite_keys(keys: Array) -> Array:
     (a page pool's unused slots may hold anything): a NaN key scores as a zero key, an
     infinite one as a very large one. The stored KV itself keeps its bytes.
     """
-    limit = FINITE_LIMIT
-    return np.nan_to_num(np.asarray(keys, dtype=np.float32), nan=0.0, posinf=limit, neginf=-limit)
+    copy = np.asarray(keys).astype(np.float32)  # a copy of its own: replaced in place
+    return np.nan_to_num(copy, copy=False, nan=0.0, posinf=FINITE_LIMIT, neginf=-FINITE_LIMIT)
 
 
 def _quantize(keys: Array, bits: int, tokens: int, rows: int) -> LowBitKeys:

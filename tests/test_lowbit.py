@@ -21,6 +21,23 @@ def test_dequantised_keys_are_within_half_a_step(bits: int) -> None:
     assert bool(np.all(error <= 0.5 * step + 1e-2 * np.abs(keys) + 1e-2))
 
 
+@pytest.mark.parametrize(("bits", "group"), [(1, 256), (2, 256), (2, 100), (4, 7), (8, 300)])
+def test_codes_are_numpys_rounding_to_the_bit(bits: int, group: int) -> None:
+    """quantize runs in torch; the codes are numpy's rint(clip((k - low) / step)) in float32, ties
+    to even included (keys placed exactly half a step apart make ties)."""
+    rng = np.random.default_rng(bits * group)
+    keys = rng.normal(size=(3, 300, 64)).astype(np.float32) * 4
+    keys[:, ::5] = np.round(keys[:, ::5] * 2) / 2  # many exact halves
+    q = quantize(keys, bits, group_tokens=group)
+    expected = np.empty_like(q.codes)
+    for g in range(-(-300 // group)):
+        part = keys[:, g * group : (g + 1) * group]
+        low, step = q.low[:, g : g + 1].astype(np.float32), q.step[:, g : g + 1].astype(np.float32)
+        expected[:, g * group : (g + 1) * group] = np.clip(np.rint((part - low) / step), 0, (1 << bits) - 1)
+        assert bool(np.all(low[:, 0] <= part.min(axis=1)))  # code 0 never above the group's minimum
+    assert np.array_equal(q.codes, expected)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 5, 8])
 def test_codes_pack_and_unpack_exactly(bits: int) -> None:
     rng = np.random.default_rng(7)

@@ -9,6 +9,7 @@ to evict to make room it asks the index; it never decides.
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
@@ -53,6 +54,8 @@ class BlockWriter:
         self._index = index
         self.tiers = tiers
         self._counters = counters
+        if config.layout == LAYERED:  # the summaries quantise in torch: loaded now, not on the first store
+            importlib.import_module("torch")
 
     def encode_blocks(
         self, toks: Array, kv: Array, scores: Array | None, kv_start: int, first: int,

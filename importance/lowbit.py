@@ -7,10 +7,8 @@ channels (RoPE pairs); per-channel steps keep the small ones from collapsing to 
 are computed, so what the store keeps (codes + fp16 offset/step) dequantises to
 exactly what the quality benchmark simulates.
 
-The store encodes and decodes these, the engine and the benchmark score chunks with the
-dequantised keys. Quantising runs its per-key passes in torch (vectorised; numpy's float16
-conversion and reductions were most of a layered store's time), with the same float32
-arithmetic, so the codes are numpy's to the bit (tests/test_lowbit.py).
+Pure numpy: the store encodes and decodes these, the engine and the benchmark
+score chunks with the dequantised keys.
 """
 
 from __future__ import annotations
@@ -65,35 +63,32 @@ def quantize(keys: Array, bits: int, group_tokens: int, scratch: bool = False) -
     codes = np.empty((heads, n, dim), dtype=np.uint8)
     low16 = np.empty((heads, groups, dim), dtype=np.float16)
     step16 = np.empty((heads, groups, dim), dtype=np.float16)
-    import torch  # here: decoding (a thin client's work) never loads torch
-
-    work = torch.from_numpy(k)  # shares k's memory: the passes below run in place, in torch
     for g in range(groups):
-        part = work[:, g * group_tokens : (g + 1) * group_tokens]
-        lowest, highest = part.amin(1).numpy(), part.amax(1).numpy()  # (aminmax: 5x slower here)
-        if not (np.isfinite(lowest).all() and np.isfinite(highest).all()):  # a NaN or inf anywhere shows here
-            raise ValueError("keys must be finite")
-        low = _fp16_at_most(lowest)
-        span = highest - low.astype(np.float32)
-        step = _fp16_at_least(np.where(span > 0, span / levels, 1.0))
+        part = k[:, g * group_tokens : (g + 1) * group_tokens]
+        low, step = group_offsets(part.min(axis=1), part.max(axis=1), bits)
         low16[:, g], step16[:, g] = low, step
-        # in place, the same float32 operations as rint(clip((part - low) / step)) (round half to
-        # even in both): a store quantises every layer's keys, 6 MB of fp32 a block of SmolLM2
-        part.sub_(torch.from_numpy(low.astype(np.float32))[:, None])
-        part.div_(torch.from_numpy(step.astype(np.float32))[:, None])
-        part.round_().clamp_(0, levels)
-        codes[:, g * group_tokens : (g + 1) * group_tokens] = part.to(torch.uint8).numpy()
+        # in place, the same operations as rint(clip((part - low) / step)): a store quantises every
+        # layer's keys (6 MB of fp32 a block of SmolLM2), and new arrays there cost more than the math
+        np.subtract(part, low[:, None].astype(np.float32), out=part)
+        np.divide(part, step[:, None].astype(np.float32), out=part)
+        np.rint(part, out=part)
+        np.clip(part, 0, levels, out=part)
+        codes[:, g * group_tokens : (g + 1) * group_tokens] = part
     return LowBitKeys(codes, low16, step16, bits, group_tokens)
 
 
-def as_float32(keys: Array) -> Array:
-    """`keys` as a float32 array of its own (a copy; float16 converted in torch, ~4x numpy's speed)."""
-    k = np.asarray(keys)
-    if k.dtype == np.float16:
-        import torch  # here: decoding (a thin client's work) never loads torch
+def group_offsets(lowest: Array, highest: Array, bits: int) -> tuple[Array, Array]:
+    """The fp16 offset and step of a group from its float32 minimum and maximum per channel:
+    the offset never above the minimum, the step such that the top code reaches the maximum.
 
-        return torch.from_numpy(np.ascontiguousarray(k)).float().numpy()
-    return k.astype(np.float32)
+    Raises:
+        ValueError: a minimum or maximum that is not finite (a NaN or inf anywhere shows here).
+    """
+    if not (np.isfinite(lowest).all() and np.isfinite(highest).all()):
+        raise ValueError("keys must be finite")
+    low = _fp16_at_most(lowest)
+    span = highest - low.astype(np.float32)
+    return low, _fp16_at_least(np.where(span > 0, span / ((1 << bits) - 1), 1.0))
 
 
 def _fp16_at_most(x: Array) -> Array:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -27,6 +31,34 @@ def test_round_trip_equals_lowbit_of_the_keys() -> None:
     expected = dequantize(quantize(keys.astype(np.float32), 2, 32))
     np.testing.assert_array_equal(decoded.dequantized(), expected)
     assert decoded.keys.codes.max() <= 3 and decoded.keys.bits == 2
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_encoding_in_torch_gives_numpys_codes_to_the_bit(bits: int, dtype: type) -> None:
+    """The store quantises in torch; the simulation and the benchmark in numpy
+    (importance.lowbit.quantize): codes, offsets and steps are the same, exact halves (ties to
+    even) and constant channels included."""
+    rng = np.random.default_rng(bits)
+    keys = (rng.standard_normal((3, 256, 16)) * 4).astype(dtype)
+    keys[:, ::3] = np.round(keys[:, ::3] * 2) / 2  # many exact halves of a step's multiples
+    keys[:, :, 5] = 1.5  # a constant channel
+    decoded = decode_summary(encode_summary(RID, keys, bits=bits), RID).keys
+    expected = quantize(keys.astype(np.float32), bits, 256)
+    for got, want in zip(decoded[:3], expected[:3], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_decoding_a_summary_never_loads_torch(tmp_path: Path) -> None:
+    """A thin client decodes summaries (kvstore/client/layer_by_layer.py): torch is the encoder's."""
+    record = tmp_path / "summary"
+    record.write_bytes(encode_summary(RID, _keys()))
+    code = (
+        "import sys; from pathlib import Path; from kvstore.format.key_summary import decode_summary;"
+        f"decode_summary(Path({str(record)!r}).read_bytes()).dequantized(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_smollm2_size_is_the_documented_one() -> None:

@@ -9,7 +9,6 @@ to evict to make room it asks the index; it never decides.
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
@@ -21,6 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
 from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import ChunkId, encode_chunk
+from kvstore.format.key_summary import prepare_encoding
 from kvstore.format.layered_block import encode_layered, memory_record
 from kvstore.index.store_index import StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
@@ -54,8 +54,8 @@ class BlockWriter:
         self._index = index
         self.tiers = tiers
         self._counters = counters
-        if config.layout == LAYERED:  # the summaries quantise in torch: loaded now, not on the first store
-            importlib.import_module("torch")
+        if config.layout == LAYERED:
+            prepare_encoding()
 
     def encode_blocks(
         self, toks: Array, kv: Array, scores: Array | None, kv_start: int, first: int,

@@ -69,7 +69,7 @@ def _one_prefix(lm: Any, ids: list[int], n: int, tmp: Path, quality: Any, amp: A
 
     prefix, continuation = ids[: n + 1], ids[n + 1 :]
     kv16, evidence = _prefill(lm, prefix[:n])
-    config = StoreConfig(data_dir=tmp / "store", memory_bytes=1 << 30)
+    config = StoreConfig(data_dir=tmp / "store", memory_bytes=1 << 30, layout="importance")  # its subject
     with TieredStore(config) as store:
         for scorer in SCORERS:
             store.store(prefix[:n], kv16, model=lm.spec, namespace=scorer.name, scores=scorer.score(evidence))

@@ -83,7 +83,10 @@ def _transfer(server: RedisNode, tmp: Path, num_tokens: int, repeats: int) -> di
 
 
 def _remote_chunks(store: TieredStore, tokens: Any) -> list[bytes]:
-    """The encoded chunks the store wrote remotely (to size the plain-GET baseline)."""
+    """The encoded records a full load of `tokens` reads from the remote tier (to size the plain-GET
+    baseline): every chunk of an importance-layout block, a layered block's layer pack (not its
+    key summaries)."""
+    from kvstore.format.layered_block import stored_records
     from kvstore.keys import block_keys, namespace_digest
 
     remote = None if store.remote_link is None else store.remote_link.tier
@@ -92,7 +95,8 @@ def _remote_chunks(store: TieredStore, tokens: Any) -> list[bytes]:
     out: list[bytes] = []
     for meta in remote.get_metas(keys):
         assert meta is not None
-        out += [bytes(c) for c in remote.get_chunks(meta, range(meta.num_chunks)) if c is not None]
+        wanted = stored_records(meta, range(meta.num_chunks))
+        out += [bytes(c) for c in remote.get_chunks(meta, wanted) if c is not None]
     return out
 
 

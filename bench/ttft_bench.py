@@ -96,7 +96,8 @@ def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
     else:
         documents = [ids for _, ids in token_windows(lm.tokenizer, length, repeats)]
     prompts = [ids + _question(lm) for ids in documents]
-    config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30)
+    # (b)-(d) in the importance layout, as published since the first round: (d) is its static order
+    config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30, layout="importance")
     recompute, memory, disk, budget, suffix = [], [], [], [], []
     layered: list[tuple[float, float]] = []
     for prompt in prompts:
@@ -170,7 +171,7 @@ def _quality(lm: Any, data_dir: Path, n: int, count: int) -> dict[str, Any]:
     from engine_adapter.engine import Engine
 
     agree, kls = [], []
-    with TieredStore(StoreConfig(data_dir=data_dir, memory_bytes=4 << 30)) as store:
+    with TieredStore(StoreConfig(data_dir=data_dir, memory_bytes=4 << 30, layout="importance")) as store:
         engine = Engine(lm, store)
         # n cached tokens + 1 computed: its logits predict the first continuation token.
         for _, ids in token_windows(lm.tokenizer, n + 1, count, tail=QUESTION_TOKENS):

@@ -69,8 +69,9 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
         "--budget", type=_budget_arg, default=budget,
         help="fraction of the cached prefix to load, (0, 1] (whole chunks, best first), or 'auto': "
         "the fewest chunks holding --coverage of the estimated attention mass (10-100%% of the prefix). "
-        "In a store with the layered layout (KVSIEVE_LAYOUT=layered), a budget of 0.2 or more with a "
-        "question of 4+ tokens lets each layer's chunks be chosen by the question's queries",
+        "In the layered layout (the default; KVSIEVE_LAYOUT=importance keeps one static order), a budget "
+        "of 0.2 or more with a question of 4+ tokens lets each layer's chunks be chosen by the question's "
+        "queries",
     )  # fmt: skip
     choose = parameter_default(Engine, "choose_with_last")
     p.add_argument(
@@ -182,7 +183,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             store.close()
     print(result.text)
     if args.verbose:
-        print_timings(args, result, lm.spec.fingerprint.hex())
+        print_timings(result, budget, lm.spec.fingerprint.hex())
         print_budget(budget, engine.last_load)
         print_layered(engine.last_layered)
     if engine.transfer.last_error:

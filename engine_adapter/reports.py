@@ -6,7 +6,6 @@ engine (a budget's delivery, a layer-by-layer load, the timings, a workflow's ev
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -19,13 +18,18 @@ if TYPE_CHECKING:
     from engine_adapter.layered import LayeredReport
 
 
+def budget_words(budget: float | int | AutoBudget) -> str:
+    """A budget as `generate -v` names it: `0.25`, or `auto (coverage 0.5)`."""
+    return f"auto (coverage {budget.coverage})" if isinstance(budget, AutoBudget) else f"{budget}"
+
+
 def print_budget(budget: float | int | AutoBudget, stream: LoadStream | None) -> None:
     """`generate -v`: what the budget really delivered and read (stderr)."""
     if stream is None:
         return
-    word = f"auto (coverage {budget.coverage})" if isinstance(budget, AutoBudget) else f"{budget}"
+    words = budget_words(budget)
     print(
-        f"budget {word}: delivered {stream.delivered_fraction:.1%} of the cached prefix's tokens, "
+        f"budget {words}: delivered {stream.delivered_fraction:.1%} of the cached prefix's tokens, "
         f"read {stream.read_fraction:.1%} of its bytes, "
         f"estimated attention mass {stream.estimated_coverage:.1%}",
         file=sys.stderr,
@@ -55,7 +59,7 @@ def print_layered(report: LayeredReport | None) -> None:
     )
 
 
-def print_timings(args: argparse.Namespace, result: Any, fingerprint: str) -> None:
+def print_timings(result: Any, budget: float | int | AutoBudget, fingerprint: str) -> None:
     """`generate -v`: where the prompt's tokens came from and where the time went (stderr)."""
     from engine_adapter.model import cache_dir
     from engine_adapter.reuse import reuse_summary
@@ -63,7 +67,7 @@ def print_timings(args: argparse.Namespace, result: Any, fingerprint: str) -> No
     t = result.timings
     print(
         f"\nprompt {result.prompt_tokens} tokens: {result.matched_tokens} cached, "
-        f"{result.loaded_tokens} loaded (budget {args.budget}), {result.computed_tokens} computed; "
+        f"{result.loaded_tokens} loaded (budget {budget_words(budget)}), {result.computed_tokens} computed; "
         f"{result.stored_blocks} new blocks stored\n"
         f"lookup {t.lookup_s * 1e3:.1f} ms, load {t.load_s * 1e3:.1f} ms, "
         f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms "

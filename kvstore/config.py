@@ -75,7 +75,7 @@ class StoreConfig:
     pin_host_memory: bool = True
     score_half_life_reports: float = 64.0
     memory_policy: str = "score"
-    layout: str = "importance"
+    layout: str = "layered"
     layer_chunk_tokens: int = 8
     layered_pack: bool = True
 

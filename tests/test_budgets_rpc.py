@@ -27,8 +27,8 @@ from kvstore.store.tiered import TieredStore
 BUDGETS: list[Any] = [0.1, 0.25, 0.5, 1.0, "auto", AutoBudget(0.5, 0.2, 0.6)]
 
 
-def _config(path: Path) -> StoreConfig:
-    return StoreConfig(data_dir=path, block_tokens=32, chunk_tokens=8, memory_bytes=16 << 20)
+def _config(path: Path, layout: str = "layered") -> StoreConfig:
+    return StoreConfig(data_dir=path, block_tokens=32, chunk_tokens=8, memory_bytes=16 << 20, layout=layout)
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_rpc_refuses_bad_budgets(server: ServerInThread) -> None:
 
 
 def test_drift_is_counted_and_relayout_lets_auto_read_fewer_chunks(tmp_path: Path) -> None:
-    config = _config(tmp_path / "data")
+    config = _config(tmp_path / "data", "importance")  # drift and re-layout: importance-ordered blocks
     n = 128
     tokens, kv = make_tokens(n, seed=9), make_kv(TINY, n, seed=9)
     rng = np.random.default_rng(9)

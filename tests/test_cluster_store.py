@@ -16,6 +16,7 @@ from bench.sidecar import Sidecar
 from kvstore.api import PrefixStore
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
+from kvstore.format.block_meta import layered_layout_version
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
@@ -23,6 +24,14 @@ from kvstore.tiers.remote.breaker import BreakerState, CircuitBreaker
 from kvstore.values import DEFAULT_NAMESPACE
 
 B = 32  # block_tokens of every store here
+
+
+def loaded_records(layout: str, model: ModelSpec) -> list[bytes]:
+    """The suffixes of a block's remote keys that a full load reads: its 4 chunks (importance
+    layout), or its layer pack (layered, the default: the key summaries are not read)."""
+    if layout == "importance":
+        return [b":c:0:%d" % i for i in range(B // 8)]
+    return [b":c:%d:%d" % (layered_layout_version(8), model.num_layers)]
 
 
 def remote_config(data_dir: Path | None, **remote: Any) -> StoreConfig:
@@ -76,7 +85,7 @@ def test_prefix_stored_through_one_sidecar_loads_bit_exact_through_another(
         second.kill()
     assert covered == 160 and loaded.tobytes() == kv.tobytes()
     assert positions.tolist() == list(range(160))
-    assert stats.get("chunk_hits.redis") == 20 and stats.get("blocks_learned.redis") == 5
+    assert stats.get("chunk_hits.redis") == 5 and stats.get("blocks_learned.redis") == 5  # a pack each
     assert "kvsieve_remote_breaker_state 0.0" in metrics and "kvsieve_remote_queue_drops_total 0.0" in metrics
 
 
@@ -186,22 +195,24 @@ def _wait_for(condition: Any, timeout_s: float = 60) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("layout", ["layered", "importance"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "meta", "evicted"])
 def test_damaged_or_missing_remote_value_is_a_counted_miss(
-    tmp_path: Path, redis_cluster: Any, damage: str
+    tmp_path: Path, redis_cluster: Any, damage: str, layout: str
 ) -> None:
     import redis as redis_py
     from redis.cluster import ClusterNode, RedisCluster
 
     nodes, prefix = redis_cluster.addresses, uuid.uuid4().hex
     tokens, kv = make_tokens(128, seed=5), make_kv(TINY, 128, seed=5)
-    with TieredStore(remote_config(tmp_path / "a", remote_nodes=nodes, remote_prefix=prefix)) as writer:
+    config = remote_config(tmp_path / "a", remote_nodes=nodes, remote_prefix=prefix, layout=layout)
+    with TieredStore(config) as writer:
         writer.store(tokens, kv, model=TINY)
     keys = block_keys(tokens, B, TINY.fingerprint, namespace_digest(DEFAULT_NAMESPACE))
     tag = prefix.encode() + b":{" + keys[2].hex().encode() + b"}"
     host, port = nodes[0].split(":")
     client = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
-    chunk_key = tag + b":c:0:1"
+    chunk_key = tag + loaded_records(layout, TINY)[-1]
     value = bytearray(client.get(chunk_key))
     if damage == "flip":
         value[len(value) // 2] ^= 0x01
@@ -212,7 +223,8 @@ def test_damaged_or_missing_remote_value_is_a_counted_miss(
         client.set(tag + b":m", client.get(tag + b":m")[:-3])
     else:
         client.delete(chunk_key)  # what maxmemory eviction does to one chunk
-    with TieredStore(remote_config(None, remote_nodes=nodes, remote_prefix=prefix)) as reader:
+    reader_config = remote_config(None, remote_nodes=nodes, remote_prefix=prefix, layout=layout)
+    with TieredStore(reader_config) as reader:
         covered, _, loaded = reader.load_arrays(tokens, model=TINY)
         stats = reader.stats()
     assert covered == 2 * B and loaded.tobytes() == kv[:, :, :, : 2 * B].tobytes()
@@ -253,11 +265,12 @@ def test_redis_evicting_at_maxmemory_gives_misses_never_wrong_kv(tmp_path: Path)
 
 
 def _surviving_prefix(client: PrefixStore, tokens: np.ndarray[Any, Any], model: ModelSpec) -> int:
-    """Tokens up to the first block with any key evicted (metadata or one of its 4 chunks)."""
+    """Tokens up to the first block with a key a full load reads evicted (metadata or its pack)."""
     keys = block_keys(tokens, B, model.fingerprint, namespace_digest(DEFAULT_NAMESPACE))
+    suffixes = [b":m", *loaded_records("layered", model)]
     for index, key in enumerate(keys):
         tag = b"kvsieve:{" + key.hex().encode() + b"}"
-        if client.exists(tag + b":m", *[tag + b":c:0:%d" % i for i in range(4)]) != 5:
+        if client.exists(*[tag + suffix for suffix in suffixes]) != len(suffixes):
             return index * B
     return len(keys) * B
 
@@ -280,4 +293,4 @@ def test_local_disk_eviction_keeps_the_block_in_the_shared_tier(tmp_path: Path, 
     with TieredStore(other) as second:
         covered, _, loaded = second.load_arrays(first, model=TINY)
         assert covered == 64 and loaded.tobytes() == first_kv.tobytes()
-        assert second.stats().get("chunk_hits.redis") == 8
+        assert second.stats().get("chunk_hits.redis") == 2  # a layer pack per block

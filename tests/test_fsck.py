@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import lmdb
 import numpy as np
+import pytest
 from conftest import corrupt_chunk, kvsieve, make_kv, make_tokens
 
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.offline.fsck import fsck
 from kvstore.store.tiered import TieredStore
+
+LAYOUTS = pytest.mark.parametrize("layout", ["layered", "importance"])
+
+
+def records_per_block(config: StoreConfig, tiny: ModelSpec) -> int:
+    """4 chunks of an importance-layout block; a layered block's summary per layer and its layer pack."""
+    return tiny.num_layers + 1 if config.layout == "layered" else config.block_tokens // config.chunk_tokens
 
 
 def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:
@@ -23,18 +32,24 @@ def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:
         return [n.key for n in s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes]
 
 
-def test_clean_store_is_clean(small_config: StoreConfig, tiny: ModelSpec) -> None:
+@LAYOUTS
+def test_clean_store_is_clean(small_config: StoreConfig, tiny: ModelSpec, layout: str) -> None:
+    small_config = dataclasses.replace(small_config, layout=layout)
     filled(small_config, tiny)
     report = fsck(small_config.data_dir)  # type: ignore[arg-type]
     assert report.clean and report.exit_code == 0
-    assert (report.blocks_checked, report.chunks_checked) == (5, 20)
+    assert (report.blocks_checked, report.chunks_checked) == (5, 5 * records_per_block(small_config, tiny))
     result = kvsieve("fsck", "--data-dir", str(small_config.data_dir))
     assert result.returncode == 0 and "clean" in result.stdout
 
 
-def test_flipped_byte_is_reported_then_repaired(small_config: StoreConfig, tiny: ModelSpec) -> None:
+@LAYOUTS
+def test_flipped_byte_is_reported_then_repaired(
+    small_config: StoreConfig, tiny: ModelSpec, layout: str
+) -> None:
+    small_config = dataclasses.replace(small_config, layout=layout)
     keys = filled(small_config, tiny)
-    corrupt_chunk(small_config, keys[1], chunk_index=3)
+    corrupt_chunk(small_config, keys[1], chunk_index=records_per_block(small_config, tiny) - 1)
     result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--json")
     report = json.loads(result.stdout)
     assert result.returncode == 2
@@ -47,7 +62,12 @@ def test_flipped_byte_is_reported_then_repaired(small_config: StoreConfig, tiny:
         assert s.lookup(make_tokens(64, seed=5), model=tiny).num_tokens == 64
 
 
-def test_missing_parent_and_stray_chunks_are_found(small_config: StoreConfig, tiny: ModelSpec) -> None:
+@LAYOUTS
+def test_missing_parent_and_stray_chunks_are_found(
+    small_config: StoreConfig, tiny: ModelSpec, layout: str
+) -> None:
+    small_config = dataclasses.replace(small_config, layout=layout)
+    records = records_per_block(small_config, tiny)
     keys = filled(small_config, tiny)
     env = lmdb.open(str(small_config.lmdb_dir), max_dbs=4)
     blocks = env.open_db(b"blocks")
@@ -57,9 +77,9 @@ def test_missing_parent_and_stray_chunks_are_found(small_config: StoreConfig, ti
     report = fsck(small_config.data_dir)  # type: ignore[arg-type]
     kinds = sorted({p.kind for p in report.problems})
     assert kinds == ["orphan-block", "orphan-chunk"]
-    assert sum(p.kind == "orphan-chunk" for p in report.problems) == 4
+    assert sum(p.kind == "orphan-chunk" for p in report.problems) == records
     repaired = fsck(small_config.data_dir, repair=True)  # type: ignore[arg-type]
-    assert repaired.blocks_removed == 2 and repaired.chunks_removed == 4
+    assert repaired.blocks_removed == 2 and repaired.chunks_removed == records
     assert fsck(small_config.data_dir).clean  # type: ignore[arg-type]
 
 

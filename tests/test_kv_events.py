@@ -293,7 +293,7 @@ def test_forgotten_and_corrupt_blocks_are_removed(tmp_path: Path, context: zmq.C
         for tokens in (a, b):
             store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
     keys_b = block_keys(b, BLOCK, TINY.fingerprint, namespace_digest("default"))
-    corrupt_chunk(config, keys_b[1], 0)
+    corrupt_chunk(config, keys_b[1], TINY.num_layers)  # its layer pack (what a full load reads)
     p = publish(TieredStore(config), context)  # a restarted store: its snapshot lists all six
     try:
         assert len(p.router.held) == 6 * BLOCK // ROUTER

@@ -125,8 +125,8 @@ def test_after_a_sidecar_restart_the_view_equals_the_store(fleet: Fleet) -> None
 def test_a_corrupt_record_leaves_the_indexer(fleet: Fleet) -> None:
     victim = fleet.prefixes[0]
     corrupt_chunk(
-        StoreConfig(data_dir=fleet.sidecar.data_dir), keys_of(victim)[1], 0
-    )  # on disk, under the sidecar
+        StoreConfig(data_dir=fleet.sidecar.data_dir), keys_of(victim)[1], TINY.num_layers
+    )  # its layer pack (what a full load reads), on disk, under the sidecar
     with fleet.client() as client:
         client.load_arrays(victim, model=TINY)  # reads it from disk (memory is empty since the restart)
         assert client.lookup(victim, model=TINY).num_tokens == BLOCK

@@ -12,9 +12,9 @@ from kvstore.errors import InvalidInputError
 from tests.conftest import kvsieve
 
 
-def test_layout_defaults_to_importance() -> None:
+def test_layout_defaults_to_layered() -> None:
     config = StoreConfig()
-    assert (config.layout, config.layer_chunk_tokens) == ("importance", 8)
+    assert (config.layout, config.layer_chunk_tokens) == ("layered", 8)
 
 
 @pytest.mark.parametrize(
@@ -33,11 +33,13 @@ def test_bad_layout_settings_are_refused_by_name(kwargs: dict[str, object], mess
 
 def test_layout_travels_through_settings_file_and_environment(tmp_path: Path) -> None:
     toml = tmp_path / "kvsieve.toml"
-    toml.write_text('[store]\nlayout = "layered"\nlayer_chunk_tokens = 16\n')
+    toml.write_text('[store]\nlayout = "importance"\nlayer_chunk_tokens = 16\n')
     from_file = build_config(StoreConfig, toml, env={}, section="store")
-    assert (from_file.layout, from_file.layer_chunk_tokens) == ("layered", 16)
-    from_env = build_config(StoreConfig, env={"KVSIEVE_LAYOUT": "layered", "KVSIEVE_LAYER_CHUNK_TOKENS": "4"})
-    assert (from_env.layout, from_env.layer_chunk_tokens) == ("layered", 4)
+    assert (from_file.layout, from_file.layer_chunk_tokens) == ("importance", 16)  # not the default
+    from_env = build_config(
+        StoreConfig, env={"KVSIEVE_LAYOUT": "importance", "KVSIEVE_LAYER_CHUNK_TOKENS": "4"}
+    )
+    assert (from_env.layout, from_env.layer_chunk_tokens) == ("importance", 4)
 
 
 def test_serve_offers_the_layout_flags() -> None:

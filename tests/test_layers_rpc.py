@@ -128,9 +128,13 @@ def test_an_idle_stream_is_ended_and_the_server_serves_on(
             assert again.key_summary(1).shape == (TINY.num_kv_heads, N, TINY.head_dim)
 
 
-def test_an_importance_layout_sidecar_matches_nothing_layered(sidecar: Sidecar, tmp_path: Path) -> None:
+def test_an_importance_layout_sidecar_matches_nothing_layered(tmp_path: Path) -> None:
     toks, kv = make_tokens(N, seed=5), make_kv(TINY, N, seed=5)
-    with KVClient(sidecar.address) as client:
-        client.store(toks, kv, model=TINY)
-        with client.open_layers(toks, model=TINY) as load:
-            assert load.matched_tokens == 0
+    sidecar = Sidecar(tmp_path / "importance", ["--layout", "importance"]).start()  # not the default
+    try:
+        with KVClient(sidecar.address) as client:
+            client.store(toks, kv, model=TINY)
+            with client.open_layers(toks, model=TINY) as load:
+                assert load.matched_tokens == 0
+    finally:
+        sidecar.kill()

@@ -21,7 +21,8 @@ from kvstore.offline.fsck import fsck
 from kvstore.offline.relayout import FAULT_ENV, relayout
 from kvstore.store.tiered import TieredStore
 
-CONFIG = {"block_tokens": 32, "chunk_tokens": 8}
+# re-layout rewrites importance-ordered blocks (layered blocks keep prompt order: tests/test_layered_admin.py)
+CONFIG = {"block_tokens": 32, "chunk_tokens": 8, "layout": "importance"}
 PROMPTS = 12
 
 

@@ -46,7 +46,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow, pytest.mark
 
 PROMPT_TOKENS = 1100  # 4 whole kvsieve blocks of 256 and a tail vLLM computes
 BLOCKS_PER_PROMPT = PROMPT_TOKENS // 256
-CHUNKS_PER_BLOCK = 256 // 16
+# records a full load reads per block: its layer pack (the default, layered layout; 256 // 16 chunks
+# in the importance layout)
+RECORDS_PER_BLOCK = 1
 MAX_TOKENS = 12
 WARNING = "kvsieve sidecar lookup failed"
 NAMESPACE = "test-vllm"
@@ -187,7 +189,7 @@ def test_outputs_identical_with_and_without_connector_while_blocks_load(world: W
     assert loaded.get("loads") - stored.get("loads") == 3
     assert (
         loaded.get("chunk_hits.memory") - stored.get("chunk_hits.memory")
-        == 3 * BLOCKS_PER_PROMPT * CHUNKS_PER_BLOCK
+        == 3 * BLOCKS_PER_PROMPT * RECORDS_PER_BLOCK
     )
     assert loaded.get("blocks_written") == stored.get("blocks_written")  # nothing stored twice
 
@@ -199,10 +201,12 @@ def test_fingerprint_is_our_engines_for_the_same_model_and_dtype(world: World) -
 
 def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) -> None:
     world.sidecar.kill()  # its memory tier is gone: blocks come back from LMDB
-    # A corrupt chunk in the third block of the first prompt: vLLM must recompute from there.
-    keys = block_keys(np.asarray(world.prompts[0], np.uint32), 256, model_spec(world, "float32").fingerprint,
-                      namespace_digest(NAMESPACE))  # fmt: skip
-    corrupt_chunk(StoreConfig(data_dir=world.sidecar.data_dir), keys[2], chunk_index=0)
+    # A corrupt layer pack in the third block of the first prompt: vLLM must recompute from there.
+    spec = model_spec(world, "float32")
+    keys = block_keys(
+        np.asarray(world.prompts[0], np.uint32), 256, spec.fingerprint, namespace_digest(NAMESPACE)
+    )
+    corrupt_chunk(StoreConfig(data_dir=world.sidecar.data_dir), keys[2], chunk_index=spec.num_layers)
     world.sidecar.start()
     timings = world.logs / "b-timings.jsonl"
     b = world.start("b", timings_path=str(timings))
@@ -213,8 +217,8 @@ def test_new_process_after_restarts_gets_prefix_from_sidecar_disk(world: World) 
         assert answers == world.baseline[:3]
         assert stats.get("loads") == 3
         assert stats.get("checksum_failures") == 1
-        whole = 3 * BLOCKS_PER_PROMPT * CHUNKS_PER_BLOCK
-        assert whole - 2 * CHUNKS_PER_BLOCK <= stats.get("chunk_hits.lmdb") < whole
+        whole = 3 * BLOCKS_PER_PROMPT * RECORDS_PER_BLOCK
+        assert whole - 2 * RECORDS_PER_BLOCK <= stats.get("chunk_hits.lmdb") < whole
         assert stats.get("blocks_written") == 0
         short = [line for line in b.log_lines if "kvsieve sidecar delivered 512 of 1024" in line]
         assert len(short) == 1, short

@@ -22,9 +22,9 @@ from kvstore.rpc.messages import ctx_to_pb
 TOKENS = make_tokens(96)  # three blocks of 32 (the sidecar's block size)
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
-    server = Sidecar(tmp_path_factory.mktemp("packed")).start()
+@pytest.fixture(scope="module", params=["layered", "importance"])
+def sidecar(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Sidecar]:
+    server = Sidecar(tmp_path_factory.mktemp("packed"), ["--layout", request.param]).start()
     with KVClient(server.address) as client:
         client.store(TOKENS, make_kv(TINY, 96), model=TINY)
     yield server
@@ -92,7 +92,8 @@ def test_shm_arena_holds_the_prefix_in_position_order(sidecar: Sidecar) -> None:
         client.store(tokens, kv, model=TINY, scores=scores)
         with client.load(tokens, model=TINY) as stream:
             chunks = list(stream)
-            assert any(not np.all(np.diff(c.positions) == 1) for c in chunks)  # stored out of order
+            out_of_order = any(not np.all(np.diff(c.positions) == 1) for c in chunks)
+            assert out_of_order == ("importance" in sidecar.args)  # the layered layout: prompt order
             for c in chunks:  # each chunk's KV is its tokens' KV, wherever they lie
                 assert np.array_equal(c.kv, kv[:, :, :, c.positions])
         with client.load(tokens, model=TINY) as stream:

@@ -32,6 +32,7 @@ from kvstore.api import Lease
 from kvstore.config import StoreConfig
 from kvstore.errors import KVSieveError, StoreFullError, TierFullError
 from kvstore.format.block_meta import BlockMeta
+from kvstore.format.layered_block import stored_records
 from kvstore.index.eviction import create_policy
 from kvstore.index.leases import LeaseTable
 from kvstore.index.listener import BlockListener
@@ -97,7 +98,8 @@ class StoreIndex:
             self._listener = listener
 
     def keys_in_memory(self) -> set[bytes]:
-        """The blocks held whole in memory where memory caches a durable tier (a copy)."""
+        """The blocks a full load would read from memory alone, where memory caches a durable tier
+        (a copy; a layered block needs its layer pack, not its key summaries)."""
         with self._memory_lock:
             return set(self._whole_in_memory)
 
@@ -106,7 +108,10 @@ class StoreIndex:
         as a cache only: a memory-only store's blocks are all in memory while listed)."""
         if not self._memory_is_cache:
             return
-        whole = meta is not None and self._memory.chunks_held(key) == meta.num_chunks
+        # whole: every record a full load reads (a layered block's key summaries are not among them)
+        whole = meta is not None and all(
+            self._memory.has_chunk(key, index) for index in stored_records(meta, range(meta.num_chunks))
+        )
         if whole == (key in self._whole_in_memory):
             return
         listener = self._listener

@@ -16,7 +16,11 @@ from kvstore.model import ModelSpec
 from kvstore.offline.fsck import fsck
 from kvstore.store.tiered import TieredStore
 
-LAYOUTS = pytest.mark.parametrize("layout", ["layered", "importance"])
+
+@pytest.fixture(params=["layered", "importance"])
+def config(small_config: StoreConfig, request: pytest.FixtureRequest) -> StoreConfig:
+    """`small_config` in each layout (fsck's counts and damage differ between them)."""
+    return dataclasses.replace(small_config, layout=request.param)
 
 
 def records_per_block(config: StoreConfig, tiny: ModelSpec) -> int:
@@ -32,55 +36,45 @@ def filled(config: StoreConfig, tiny: ModelSpec) -> list[bytes]:
         return [n.key for n in s.tree.match(s._root(tiny, "default"), np.asarray(tokens, np.uint32)).nodes]
 
 
-@LAYOUTS
-def test_clean_store_is_clean(small_config: StoreConfig, tiny: ModelSpec, layout: str) -> None:
-    small_config = dataclasses.replace(small_config, layout=layout)
-    filled(small_config, tiny)
-    report = fsck(small_config.data_dir)  # type: ignore[arg-type]
+def test_clean_store_is_clean(config: StoreConfig, tiny: ModelSpec) -> None:
+    filled(config, tiny)
+    report = fsck(config.data_dir)  # type: ignore[arg-type]
     assert report.clean and report.exit_code == 0
-    assert (report.blocks_checked, report.chunks_checked) == (5, 5 * records_per_block(small_config, tiny))
-    result = kvsieve("fsck", "--data-dir", str(small_config.data_dir))
+    assert (report.blocks_checked, report.chunks_checked) == (5, 5 * records_per_block(config, tiny))
+    result = kvsieve("fsck", "--data-dir", str(config.data_dir))
     assert result.returncode == 0 and "clean" in result.stdout
 
 
-@LAYOUTS
-def test_flipped_byte_is_reported_then_repaired(
-    small_config: StoreConfig, tiny: ModelSpec, layout: str
-) -> None:
-    small_config = dataclasses.replace(small_config, layout=layout)
-    keys = filled(small_config, tiny)
-    corrupt_chunk(small_config, keys[1], chunk_index=records_per_block(small_config, tiny) - 1)
-    result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--json")
+def test_flipped_byte_is_reported_then_repaired(config: StoreConfig, tiny: ModelSpec) -> None:
+    keys = filled(config, tiny)
+    corrupt_chunk(config, keys[1], chunk_index=records_per_block(config, tiny) - 1)
+    result = kvsieve("fsck", "--data-dir", str(config.data_dir), "--json")
     report = json.loads(result.stdout)
     assert result.returncode == 2
     assert [(p["key"], p["kind"]) for p in report["problems"]] == [(keys[1].hex(), "bad-chunk")]
-    result = kvsieve("fsck", "--data-dir", str(small_config.data_dir), "--repair")
+    result = kvsieve("fsck", "--data-dir", str(config.data_dir), "--repair")
     assert result.returncode == 1 and "removed 2 blocks" in result.stdout  # the bad one and its child
-    assert fsck(small_config.data_dir).clean  # type: ignore[arg-type]
-    with TieredStore(small_config) as s:
+    assert fsck(config.data_dir).clean  # type: ignore[arg-type]
+    with TieredStore(config) as s:
         assert s.lookup(make_tokens(96), model=tiny).num_tokens == 32
         assert s.lookup(make_tokens(64, seed=5), model=tiny).num_tokens == 64
 
 
-@LAYOUTS
-def test_missing_parent_and_stray_chunks_are_found(
-    small_config: StoreConfig, tiny: ModelSpec, layout: str
-) -> None:
-    small_config = dataclasses.replace(small_config, layout=layout)
-    records = records_per_block(small_config, tiny)
-    keys = filled(small_config, tiny)
-    env = lmdb.open(str(small_config.lmdb_dir), max_dbs=4)
+def test_missing_parent_and_stray_chunks_are_found(config: StoreConfig, tiny: ModelSpec) -> None:
+    records = records_per_block(config, tiny)
+    keys = filled(config, tiny)
+    env = lmdb.open(str(config.lmdb_dir), max_dbs=4)
     blocks = env.open_db(b"blocks")
     with env.begin(write=True) as txn:
         txn.delete(keys[0], db=blocks)  # its chunks stay behind, unreferenced
     env.close()
-    report = fsck(small_config.data_dir)  # type: ignore[arg-type]
+    report = fsck(config.data_dir)  # type: ignore[arg-type]
     kinds = sorted({p.kind for p in report.problems})
     assert kinds == ["orphan-block", "orphan-chunk"]
     assert sum(p.kind == "orphan-chunk" for p in report.problems) == records
-    repaired = fsck(small_config.data_dir, repair=True)  # type: ignore[arg-type]
+    repaired = fsck(config.data_dir, repair=True)  # type: ignore[arg-type]
     assert repaired.blocks_removed == 2 and repaired.chunks_removed == records
-    assert fsck(small_config.data_dir).clean  # type: ignore[arg-type]
+    assert fsck(config.data_dir).clean  # type: ignore[arg-type]
 
 
 def test_fsck_of_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-topup", action="store_true",
         help="after a layer-by-layer prefill, do not fetch the chunks each answer token needs "
-        "(engine_adapter/topup.py; on by default)",
+        "(engine_adapter/topup.py; on by default, within --budget: the prefill keeps a little of it back)",
     )  # fmt: skip
     p.add_argument(
         "--coverage", type=_fraction_arg, default=None,

@@ -17,7 +17,7 @@ importance order (`PrefixStore.load(budget)`) decides:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from importance.query_select import CHUNK_TOKENS, RECENT_TOKENS, SINK_TOKENS
@@ -35,19 +35,23 @@ MIN_LAYERED_FRACTION = 0.2
 
 
 class LayeredPlan(NamedTuple):
-    """An open layered load (the caller closes it) and the chunks to read in every layer."""
+    """An open layered load (the caller closes it), the chunks to read in every layer, and the
+    fraction of the prefix's bytes the whole request may read (the decode-time top-up's limit)."""
 
     load: LayeredLoad
     chunks: int
+    fraction: float
 
 
 def plan_layered(
-    store: PrefixStore, ids: Sequence[int], budget: Budget, *, model: ModelSpec, namespace: str
-) -> LayeredPlan | None:
+    store: PrefixStore, ids: Sequence[int], budget: Budget, *, model: ModelSpec, namespace: str,
+    reserve: Callable[[int], float] | None = None,
+) -> LayeredPlan | None:  # fmt: skip
     """The layered load to use for prompt `ids` at `budget`, or None for the static path.
 
     Opens `store.open_layers(ids[:-1])` (reads no KV) only when the budget qualifies;
-    closes it again when the path is not taken.
+    closes it again when the path is not taken. `reserve(matched tokens)` is the share of the
+    prefix's bytes left out of the chunks chosen (the decode-time top-up's part of the budget).
 
     Raises:
         InvalidInputError: a bad budget (as `PrefixStore.load` would).
@@ -60,32 +64,35 @@ def plan_layered(
     # Every PrefixStore opens layered loads; one with no layered blocks (or an older sidecar) matches 0.
     load = store.open_layers(list(ids[:-1]), model=model, namespace=namespace)
     try:
-        chunks = _chunks(store, ids, resolved, load, model, namespace)
+        fraction = _fraction(store, ids, resolved, load, model, namespace)
+        kept = 0.0 if reserve is None else reserve(int(load.matched_tokens))
+        edges = edge_chunk_count(int(load.chunk_tokens))
+        chunks = None
+        if fraction is not None:  # the reserve never leaves the choice without a chosen chunk
+            whole = chunks_for_fraction(fraction, load)
+            chunks = max(chunks_for_fraction(fraction - kept, load), min(whole, edges + 1))
     except BaseException:
         load.close()
         raise
-    if chunks is None:
+    if fraction is None or chunks is None or chunks <= edges:
         load.close()
         return None
-    return LayeredPlan(load, chunks)
+    return LayeredPlan(load, chunks, fraction)
 
 
-def _chunks(
+def _fraction(
     store: PrefixStore, ids: Sequence[int], budget: float | int | AutoBudget, load: LayeredLoad,
     model: ModelSpec, namespace: str,
-) -> int | None:  # fmt: skip
-    """Chunks per layer for `load`, or None when the layered path does not qualify."""
+) -> float | None:  # fmt: skip
+    """The fraction of the prefix's bytes `load` may read, or None when the layered path does
+    not qualify."""
     n = int(load.matched_tokens)
     if n <= 0 or len(ids) - n < MIN_QUERY_TOKENS or n % int(load.chunk_tokens):
         return None
     if isinstance(budget, AutoBudget):
         fraction = static_auto_fraction(store, ids, budget, model, namespace)
-        if fraction is None or fraction < MIN_LAYERED_FRACTION:
-            return None
-    else:
-        fraction = float(budget)
-    chunks = chunks_for_fraction(fraction, load)
-    return chunks if chunks > edge_chunk_count(int(load.chunk_tokens)) else None
+        return None if fraction is None or fraction < MIN_LAYERED_FRACTION else fraction
+    return float(budget)
 
 
 def chunks_for_fraction(fraction: float, load: LayeredLoad) -> int:

@@ -133,7 +133,10 @@ def prefill_layered(
     if engine.store is None:
         return None
     t0 = time.perf_counter()
-    plan = plan_layered(engine.store, ids, budget, model=engine.lm.spec, namespace=engine.namespace)
+    reserve = None if engine.topup is None else engine.topup.reserve
+    plan = plan_layered(
+        engine.store, ids, budget, model=engine.lm.spec, namespace=engine.namespace, reserve=reserve
+    )
     if plan is None:
         return None
     timings.lookup_s = time.perf_counter() - t0
@@ -150,7 +153,9 @@ def prefill_layered(
     except BaseException:
         plan.load.close()
         raise
-    topup = None if engine.topup is None else DecodeTopUp(plan.load, out, engine.topup)
+    settings = engine.topup
+    limit = plan.fraction if settings is not None and settings.within_budget else None
+    topup = None if settings is None else DecodeTopUp(plan.load, out, settings, limit)
     if topup is None:
         plan.load.close()
     engine.last_layered = out.report

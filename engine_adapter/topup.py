@@ -51,6 +51,13 @@ Array = np.ndarray[Any, Any]
 THETA = 0.02
 #: The most tokens one layer may fetch during an answer, as a fraction of the prefix's tokens.
 CAP = 0.1
+#: Tokens per layer a budget keeps back for the top-up: the prefill's choice reads that many
+#: fewer, and the top-up never reads past the budget. About what a 16-token answer fetched at
+#: 1,024 cached tokens (3.7-4.5 % of the bytes; 0.4 % at 4,096, 0.1 % at 8,192: a fixed count
+#: is a share that shrinks as the prefix grows, as the top-up's need does; docs/importance.md).
+RESERVE_TOKENS = 40
+#: ... and never more than this share of the prefix (a 256-token prefix keeps 10 tokens back).
+RESERVE_MAX_FRACTION = 0.04
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,11 @@ class TopUpSettings:
             attention over the prefix exceeds this, in [0, 1).
         cap: the most tokens each layer fetches during one answer, as a fraction of the
             prefix's tokens, in [0, 1] (1.0: no limit).
+        reserve_tokens: tokens per layer of the budget kept for the top-up (the prefill
+            chooses that many fewer; at most `RESERVE_MAX_FRACTION` of the prefix); whatever it
+            is, the top-up stops at the budget.
+        within_budget: stop at the budget (the default); False lets the top-up read past it,
+            up to its cap (to measure the top-up alone).
 
     Raises:
         InvalidInputError: a value out of range.
@@ -69,11 +81,18 @@ class TopUpSettings:
 
     theta: float = THETA
     cap: float = CAP
+    reserve_tokens: int = RESERVE_TOKENS
+    within_budget: bool = True
+
+    def reserve(self, matched_tokens: int) -> float:
+        """The share of a `matched_tokens` prefix's bytes the prefill leaves to the top-up."""
+        return min(self.reserve_tokens / matched_tokens, RESERVE_MAX_FRACTION) if matched_tokens > 0 else 0.0
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.theta < 1.0) or not (0.0 <= self.cap <= 1.0):
+        if not (0.0 <= self.theta < 1.0) or not (0.0 <= self.cap <= 1.0) or self.reserve_tokens < 0:
             raise InvalidInputError(
-                f"top-up theta must be in [0, 1) and cap in [0, 1], got theta {self.theta}, cap {self.cap}"
+                f"top-up theta must be in [0, 1), cap in [0, 1] and reserve_tokens >= 0, got theta "
+                f"{self.theta}, cap {self.cap}, reserve_tokens {self.reserve_tokens}"
             )
 
 
@@ -84,9 +103,15 @@ class DecodeTopUp:
         load: the layered load the prefill read (still open: it pins the blocks).
         prefill: the prefill's result, with its summaries (`keep_summaries=True`).
         settings: theta and cap.
+        budget: the fraction of the prefix's bytes the request may read in all (None: no
+            limit but the cap). What the prefill left of it is one pool for all layers: a
+            layer that needs more chunks than another takes more, first come first served,
+            until the pool is spent.
     """
 
-    def __init__(self, load: LayeredLoad, prefill: LayeredPrefill, settings: TopUpSettings) -> None:
+    def __init__(
+        self, load: LayeredLoad, prefill: LayeredPrefill, settings: TopUpSettings, budget: float | None = None
+    ) -> None:
         if len(prefill.summaries) != len(prefill.cache.layers):
             raise InvalidInputError("the top-up needs every layer's summary (layered_prefill keep_summaries)")
         self.load, self.cache, self.settings = load, prefill.cache, settings
@@ -95,6 +120,12 @@ class DecodeTopUp:
         self.chunk_tokens = int(load.chunk_tokens)
         num_chunks = int(load.matched_tokens) // self.chunk_tokens
         self.cap_tokens = math.floor(settings.cap * int(load.matched_tokens) + 1e-9)
+        #: Bytes the top-up may still read (None: no limit but the cap); one chunk of one layer
+        #: costs about `chunk_bytes` (a range read adds nothing: the headers were read)
+        self.room_bytes = None if budget is None else (budget - float(load.read_fraction)) * load.prefix_bytes
+        kv_bytes = int(load.prefix_bytes) - int(load.summary_bytes)
+        layer_tokens = max(1, int(load.matched_tokens) * int(load.num_layers))
+        self.chunk_bytes = kv_bytes / layer_tokens * self.chunk_tokens
         self.have: dict[int, Array] = {}
         for layer, chosen in prefill.report.chosen.items():
             self.have[layer] = np.zeros(num_chunks, dtype=bool)
@@ -162,12 +193,18 @@ class DecodeTopUp:
             target.values = torch.cat([target.values, values], dim=-2)
             self.have[layer][wanted] = True
             self.fetched_tokens[layer] += len(wanted) * self.chunk_tokens
-            self._count(len(wanted), int(self.load.bytes_read) - before)
+            nbytes = int(self.load.bytes_read) - before
+            if self.room_bytes is not None:
+                self.room_bytes -= nbytes
+            self._count(len(wanted), nbytes)
         self.report.topup_s += time.perf_counter() - t0
 
     def pick(self, layer: int, shares: Array) -> list[int]:
-        """Missing chunks of `layer` over theta, largest share first, within the cap; ascending."""
+        """Missing chunks of `layer` over theta, largest share first, within the cap and what is
+        left of the budget; ascending."""
         room = (self.cap_tokens - self.fetched_tokens[layer]) // self.chunk_tokens
+        if self.room_bytes is not None:
+            room = min(room, math.floor(self.room_bytes / self.chunk_bytes + 1e-9))
         if room <= 0:
             return []
         have = self.have[layer]

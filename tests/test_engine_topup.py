@@ -19,7 +19,15 @@ from engine_adapter.cache import cache_from, share_cache
 from engine_adapter.layered import LayeredPrefill, chunk_positions, layered_prefill
 from engine_adapter.layered_policy import chunks_for_fraction
 from engine_adapter.sampling import Sampling
-from engine_adapter.topup import CAP, THETA, DecodeTopUp, TopUpSettings, decoding
+from engine_adapter.topup import (
+    CAP,
+    RESERVE_MAX_FRACTION,
+    RESERVE_TOKENS,
+    THETA,
+    DecodeTopUp,
+    TopUpSettings,
+    decoding,
+)
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.format.layer_pack import table_bytes
@@ -175,7 +183,8 @@ def test_theta_zero_without_a_cap_makes_the_step_see_the_whole_prefix(
     # 30 % of the prefix, is the one difference left).
     sampling = Sampling(max_tokens=STEPS, temperature=0.0)
     with torch.inference_mode():
-        engine = Engine(lm, store, topup=TopUpSettings(theta=0.0, cap=1.0))
+        unbounded = TopUpSettings(theta=0.0, cap=1.0, reserve_tokens=0, within_budget=False)
+        engine = Engine(lm, store, topup=unbounded)
         topped = engine.generate(doc + question, sampling, budget=BUDGET)
         full_answer = Engine(lm, store).generate(doc + question, sampling, budget=1.0)
     assert engine.last_layered is not None and engine.last_layered.delivered_fraction == 1.0
@@ -212,9 +221,13 @@ def test_turned_off_it_is_todays_layered_path_exactly(
     assert answer.token_ids == greedy
     topped = on.last_layered
     assert topped is not None and topped.topup_chunks > 0  # on by default
-    assert on.topup == TopUpSettings(THETA, CAP)
-    # the same prefill read, plus the top-up's bytes
-    assert topped.read_fraction == pytest.approx(report.read_fraction + topped.topup_fraction, abs=1e-9)
+    assert on.topup == TopUpSettings(THETA, CAP, RESERVE_TOKENS)
+    # the prefill keeps RESERVE_TOKENS per layer of the budget back for the top-up, which stops at it
+    kept = min(RESERVE_TOKENS, RESERVE_MAX_FRACTION * PREFIX) / 8  # chunks' worth
+    assert report.chunks_per_layer - kept - 1 < topped.chunks_per_layer <= report.chunks_per_layer - kept + 1
+    assert topped.chunks_per_layer < report.chunks_per_layer
+    assert topped.read_fraction - topped.topup_fraction < report.read_fraction
+    assert report.read_fraction <= BUDGET and topped.read_fraction <= BUDGET
 
 
 def test_a_store_error_during_a_top_up_stops_it_and_the_answer_goes_on(
@@ -241,7 +254,8 @@ def test_a_store_error_during_a_top_up_stops_it_and_the_answer_goes_on(
     corrupt_chunk(_config(tmp_path / "s"), second_block.key, index, offset)
     sampling = Sampling(max_tokens=STEPS, temperature=0.0)
     with TieredStore(_config(tmp_path / "s")) as reopened, torch.inference_mode():
-        engine = Engine(lm, reopened, topup=TopUpSettings(theta=0.0, cap=1.0))  # asks for every chunk
+        every_chunk = TopUpSettings(theta=0.0, cap=1.0, reserve_tokens=0, within_budget=False)
+        engine = Engine(lm, reopened, topup=every_chunk)  # asks for every chunk
         answer = engine.generate(doc + question, sampling, budget=BUDGET)
     report = engine.last_layered
     assert report is not None and not report.error  # the prefill never read the victim
@@ -250,11 +264,28 @@ def test_a_store_error_during_a_top_up_stops_it_and_the_answer_goes_on(
     assert len(answer.token_ids) == STEPS or answer.finish_reason == "stop"
 
 
+def test_the_top_up_stops_at_the_budget(
+    lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]]
+) -> None:
+    """Asked for every chunk (theta 0, no cap), the top-up still ends the load within its budget."""
+    from engine_adapter.engine import Engine
+
+    doc, question = prompt
+    engine = Engine(lm, store, topup=TopUpSettings(theta=0.0, cap=1.0))
+    with torch.inference_mode():
+        engine.generate(doc + question, Sampling(max_tokens=STEPS, temperature=0.0), budget=BUDGET)
+    report = engine.last_layered
+    assert report is not None and report.topup_chunks > 0
+    assert BUDGET - 0.02 < report.read_fraction <= BUDGET  # it spent the reserve, and no more
+
+
 def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(InvalidInputError, match="theta"):
         TopUpSettings(theta=1.0)
     with pytest.raises(InvalidInputError, match="cap"):
         TopUpSettings(cap=-0.1)
+    with pytest.raises(InvalidInputError, match="reserve_tokens -1"):
+        TopUpSettings(reserve_tokens=-1)
 
 
 def test_generate_verbose_reports_the_top_up(

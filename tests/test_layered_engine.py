@@ -29,6 +29,8 @@ from kvstore.values import DEFAULT_NAMESPACE
 
 pytestmark = [pytest.mark.model]
 PREFIX = 256  # one store block
+# The engines here run without the decode-time top-up: these tests are about the prefill's own
+# choice (with the top-up on, it keeps part of the budget back: tests/test_engine_topup.py).
 TAIL = 200  # the document's uncached tokens after its last whole block
 QUESTION = (
     "<|im_end|>\n<|im_start|>user\nWhat is the main subject of this text?<|im_end|>\n<|im_start|>assistant\n"
@@ -173,7 +175,7 @@ def test_a_checksum_error_mid_pass_recomputes_the_prompt(
     from engine_adapter.engine import Engine
 
     prefix, question, _ = doc
-    engine = Engine(lm, store)
+    engine = Engine(lm, store, topup=None)
     _prime(engine, prefix)
     store.corrupt_layer = 7
     with torch.inference_mode():
@@ -200,7 +202,7 @@ def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
     from engine_adapter.engine import Engine
 
     prefix, question, _ = doc
-    engine = Engine(lm, store)
+    engine = Engine(lm, store, topup=None)
     _prime(engine, prefix)
     engine.prefill(prefix + question, budget=0.3)  # a question: layer by layer
     report = engine.last_layered
@@ -230,7 +232,7 @@ def test_auto_reads_what_the_static_plan_would_deliver(lm: Any, doc: Any, store:
     from engine_adapter.engine import Engine
 
     prefix, question, _ = doc
-    engine = Engine(lm, store)
+    engine = Engine(lm, store, topup=None)
     _prime(engine, prefix)
     fraction = static_auto_fraction(store, prefix + question, AutoBudget(), lm.spec, DEFAULT_NAMESPACE)
     assert fraction is not None and 0 < fraction <= 1.0
@@ -286,7 +288,7 @@ def test_the_engine_chooses_with_the_last_new_tokens_queries(
     from engine_adapter.engine import Engine
 
     question = doc[1]
-    engine = Engine(lm, store, choose_with_last=last)
+    engine = Engine(lm, store, topup=None, choose_with_last=last)
     _prime(engine, long_doc[:PREFIX])
     new = TAIL + len(question)
     with layer_inputs(lm) as seen, torch.inference_mode():
@@ -322,15 +324,16 @@ def test_choosing_with_the_question_not_the_documents_tail(
     from engine_adapter.engine import Engine
 
     question = doc[1]
-    _prime(Engine(lm, store), long_doc[:PREFIX])
+    _prime(Engine(lm, store, topup=None), long_doc[:PREFIX])
     prompt = long_doc + question
-    every = _layered_choice(Engine(lm, store, choose_with_last=None), prompt)
-    beyond = _layered_choice(Engine(lm, store, choose_with_last=10_000), prompt)  # more than the new tokens
+    every = _layered_choice(Engine(lm, store, topup=None, choose_with_last=None), prompt)
+    beyond = _layered_choice(Engine(lm, store, topup=None, choose_with_last=10_000), prompt)  # > new tokens
     assert beyond.keys() == every.keys() and all(np.array_equal(c, every[i]) for i, c in beyond.items())
-    last16 = _layered_choice(Engine(lm, store, choose_with_last=16), prompt)
+    last16 = _layered_choice(Engine(lm, store, topup=None, choose_with_last=16), prompt)
     differing = sum(not np.array_equal(last16[i], every[i]) for i in every)
-    asked = _layered_choice(Engine(lm, store, choose_with_last=len(question)), prompt)
-    alone = _layered_choice(Engine(lm, store, choose_with_last=None), long_doc[:PREFIX] + question)
+    asked = _layered_choice(Engine(lm, store, topup=None, choose_with_last=len(question)), prompt)
+    alone_engine = Engine(lm, store, topup=None, choose_with_last=None)
+    alone = _layered_choice(alone_engine, long_doc[:PREFIX] + question)
 
     def overlap(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> float:
         """Mean over layers: the share of a's chosen chunks that b chose too, the forced

@@ -63,21 +63,27 @@ def plan_layered(
         return None  # too short a prompt: too few new tokens whatever is cached
     # Every PrefixStore opens layered loads; one with no layered blocks (or an older sidecar) matches 0.
     load = store.open_layers(list(ids[:-1]), model=model, namespace=namespace)
+    edges = edge_chunk_count(int(load.chunk_tokens))
     try:
         fraction = _fraction(store, ids, resolved, load, model, namespace)
-        kept = 0.0 if reserve is None else reserve(int(load.matched_tokens))
-        edges = edge_chunk_count(int(load.chunk_tokens))
-        chunks = None
-        if fraction is not None:  # the reserve never leaves the choice without a chosen chunk
-            whole = chunks_for_fraction(fraction, load)
-            chunks = max(chunks_for_fraction(fraction - kept, load), min(whole, edges + 1))
+        chunks = 0 if fraction is None else _chunks_keeping(fraction, load, reserve, edges)
     except BaseException:
         load.close()
         raise
-    if fraction is None or chunks is None or chunks <= edges:
+    if fraction is None or chunks <= edges:
         load.close()
         return None
     return LayeredPlan(load, chunks, fraction)
+
+
+def _chunks_keeping(
+    fraction: float, load: LayeredLoad, reserve: Callable[[int], float] | None, edges: int
+) -> int:
+    """Chunks per layer `fraction` buys once `reserve(matched tokens)` is kept back; the reserve
+    never takes away the one chosen chunk beside the `edges` that the whole fraction buys."""
+    kept = 0.0 if reserve is None else reserve(int(load.matched_tokens))
+    floor = min(chunks_for_fraction(fraction, load), edges + 1)
+    return max(chunks_for_fraction(fraction - kept, load), floor)
 
 
 def _fraction(

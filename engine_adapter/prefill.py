@@ -153,9 +153,7 @@ def prefill_layered(
     except BaseException:
         plan.load.close()
         raise
-    settings = engine.topup
-    limit = plan.fraction if settings is not None and settings.within_budget else None
-    topup = None if settings is None else DecodeTopUp(plan.load, out, settings, limit)
+    topup = None if engine.topup is None else DecodeTopUp(plan.load, out, engine.topup, plan.fraction)
     if topup is None:
         plan.load.close()
     engine.last_layered = out.report

@@ -103,10 +103,10 @@ class DecodeTopUp:
         load: the layered load the prefill read (still open: it pins the blocks).
         prefill: the prefill's result, with its summaries (`keep_summaries=True`).
         settings: theta and cap.
-        budget: the fraction of the prefix's bytes the request may read in all (None: no
-            limit but the cap). What the prefill left of it is one pool for all layers: a
-            layer that needs more chunks than another takes more, first come first served,
-            until the pool is spent.
+        budget: the fraction of the prefix's bytes the request may read in all (None, or
+            `settings.within_budget` False: no limit but the cap). What the prefill left of it
+            is one pool for all layers: a layer that needs more chunks than another takes more,
+            first come first served, until the pool is spent.
     """
 
     def __init__(
@@ -122,7 +122,11 @@ class DecodeTopUp:
         self.cap_tokens = math.floor(settings.cap * int(load.matched_tokens) + 1e-9)
         #: Bytes the top-up may still read (None: no limit but the cap); one chunk of one layer
         #: costs about `chunk_bytes` (a range read adds nothing: the headers were read)
-        self.room_bytes = None if budget is None else (budget - float(load.read_fraction)) * load.prefix_bytes
+        self.room_bytes = (
+            (budget - float(load.read_fraction)) * load.prefix_bytes
+            if budget is not None and settings.within_budget
+            else None
+        )
         kv_bytes = int(load.prefix_bytes) - int(load.summary_bytes)
         layer_tokens = max(1, int(load.matched_tokens) * int(load.num_layers))
         self.chunk_bytes = kv_bytes / layer_tokens * self.chunk_tokens

@@ -38,11 +38,8 @@ class LowBitKeys(NamedTuple):
     group_tokens: int
 
 
-def quantize(keys: Array, bits: int, group_tokens: int, scratch: bool = False) -> LowBitKeys:
+def quantize(keys: Array, bits: int, group_tokens: int) -> LowBitKeys:
     """Quantise keys (kv_heads, tokens, head_dim) per channel and group of tokens.
-
-    `scratch`: `keys` is a float32 array the caller no longer needs; the codes are computed in it
-    (no copy; its values are lost).
 
     Raises:
         ValueError: bits outside 1..8, group_tokens < 1, or keys not 3-D / not finite.
@@ -51,10 +48,7 @@ def quantize(keys: Array, bits: int, group_tokens: int, scratch: bool = False) -
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if group_tokens < 1:
         raise ValueError(f"group_tokens must be >= 1, got {group_tokens}")
-    if scratch and isinstance(keys, np.ndarray) and keys.dtype == np.float32:
-        k = keys
-    else:
-        k = np.array(keys, dtype=np.float32)  # a copy: the codes are computed in it, in place
+    k = np.array(keys, dtype=np.float32)  # a copy: the codes are computed in it, in place
     if k.ndim != 3:
         raise ValueError(f"keys must be (kv_heads, tokens, head_dim), got shape {k.shape}")
     levels = (1 << bits) - 1

@@ -109,9 +109,7 @@ class StoreIndex:
         if not self._memory_is_cache:
             return
         # whole: every record a full load reads (a layered block's key summaries are not among them)
-        whole = meta is not None and all(
-            self._memory.has_chunk(key, index) for index in stored_records(meta, range(meta.num_chunks))
-        )
+        whole = meta is not None and self._memory.holds(key, stored_records(meta, range(meta.num_chunks)))
         if whole == (key in self._whole_in_memory):
             return
         listener = self._listener

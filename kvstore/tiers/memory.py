@@ -70,6 +70,11 @@ class MemoryTier:
         with self._lock:
             return (key, index) in self._chunks
 
+    def holds(self, key: bytes, indices: Iterable[int]) -> bool:
+        """Whether every chunk `indices` of block `key` is held (one lock for all of them)."""
+        with self._lock:
+            return all((key, index) in self._chunks for index in indices)
+
     def chunks_held(self, key: bytes) -> int:
         """How many chunks of block `key` are held (0 if none)."""
         with self._lock:

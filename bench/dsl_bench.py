@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.texts import documents
-from engine_adapter.sampling import Sampling
+from engine_adapter.runner.sampling import Sampling
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 
@@ -27,7 +27,7 @@ FOLLOW = "Suggest 3 short follow-up questions, one per line."
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench dsl --json` prints."""
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     text = _context(lm, 300 if quick else 1100)
@@ -51,7 +51,7 @@ def _context(lm: Any, tokens: int) -> str:
 def _compare(lm: Any, prefix: str, program: str, args: dict[str, str], calls: Any) -> dict[str, Any]:
     from engine_adapter.dsl import Limits, plan
     from engine_adapter.dsl.run import ProgramRun
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     with (
         tempfile.TemporaryDirectory(dir=Path.home()) as tmp,

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_adapter.device import KVTransfer
+from engine_adapter.runner.device import KVTransfer
 from kvstore.load.device import DeviceCopier
 
 #: (hidden, intermediate, layers, attention heads, KV heads, vocabulary) of the timed models.
@@ -122,7 +122,7 @@ def _h2d(tokens: int) -> dict[str, Any]:
 
 def _model(shape: tuple[int, int, int, int, int, int]) -> Any:
     """A Llama of `shape` with random weights, fp16, built on the GPU."""
-    from engine_adapter.model import random_llama
+    from engine_adapter.runner.model import random_llama
 
     return random_llama(shape, "cuda", torch.float16)
 
@@ -143,7 +143,7 @@ def _ttft(tag: str, shape: tuple[int, int, int, int, int, int], sizes: tuple[int
 
 def _ttft_at(model: Any, transfer: KVTransfer, n: int) -> tuple[float, float, float]:
     """(recompute s, load s, share of the copy hidden behind compute) for an N-token prompt."""
-    from engine_adapter.cache import cache_from, cache_kwargs, empty_cache
+    from engine_adapter.runner.cache import cache_from, cache_kwargs, empty_cache
 
     config = model.config
     ids = torch.randint(0, config.vocab_size, (1, n), device="cuda")
@@ -178,7 +178,7 @@ def _copy_only(transfer: KVTransfer, kv: np.ndarray[Any, Any]) -> float:
 
 
 def _compute_only(model: Any, kv: np.ndarray[Any, Any], ids: torch.Tensor, positions: torch.Tensor) -> float:
-    from engine_adapter.cache import cache_from, cache_kwargs
+    from engine_adapter.runner.cache import cache_from, cache_kwargs
 
     resident = torch.from_numpy(kv).to("cuda")
     pairs = [(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in resident]

@@ -9,7 +9,7 @@ teacher-forced under each method and budget:
 
 - `engine`: the product's query-aware path: a store in the layered layout, each
   layer's chunks chosen inside the forward pass by the question's queries
-  (engine_adapter/layered.py), then the decode-time top-up (engine_adapter/topup.py):
+  (engine_adapter/runner/layered.py), then the decode-time top-up (engine_adapter/runner/topup.py):
   the answer is teacher-forced one token at a time and each token fetches the missing
   chunks its query needs. Its bytes read count its key summaries and top-ups
   (`topup_fraction_…`: the top-up's share). Below the smallest budget the path takes
@@ -60,7 +60,7 @@ WINDOWS_ENV = "KVSIEVE_LONGDOC_WINDOWS"
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench longdoc --json` prints."""
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     plan = {1024: 1} if quick else _windows_plan(os.environ.get(WINDOWS_ENV, ""))
@@ -93,7 +93,7 @@ def _windows_plan(text: str) -> dict[int, int]:
 
 
 def _at_length(lm: Any, tokens: int, count: int, questions: Sequence[str]) -> dict[str, Any]:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
     from kvstore.config import StoreConfig
     from kvstore.store.tiered import TieredStore
 
@@ -143,8 +143,8 @@ def _question(
     records: dict[tuple[str, float, str], list[float]],
 ) -> None:  # fmt: skip
     """The full prefix's greedy answer, then each method's teacher-forced logits against it."""
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import Sampling
 
     turn = f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     prompt = document + lm.tokenizer.encode(turn)
@@ -175,7 +175,7 @@ def _continuation(
     records: dict[tuple[str, float, str], list[float]],
 ) -> None:  # fmt: skip
     """The text after the document, teacher-forced: top-1 against the full prefix's."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     reference = Engine(lm, stores["static"]).continuation_logits(document, following, budget=1.0).float()
     for method, store in stores.items():
@@ -187,7 +187,7 @@ def _continuation(
 def _read_fraction(engine: Any, method: str, prefix: int) -> tuple[float, float]:
     """(bytes read / the prefix's bytes, 1.0 if the layered path was taken else 0.0), as the load
     reports them (the layered path counts its key summaries and top-ups). Below its smallest budget
-    (engine_adapter/layered_policy.py) the engine reads a layered store in the static order."""
+    (engine_adapter/runner/layered_policy.py) the engine reads a layered store in the static order."""
     report = engine.last_layered
     if report is not None and not report.error:
         if method != "engine" or report.matched_tokens != prefix:

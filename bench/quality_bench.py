@@ -92,7 +92,7 @@ class Job(NamedTuple):
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench quality --json` prints."""
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     count, questions, prefix = (1, QUESTIONS[:1], 512) if quick else (windows(), QUESTIONS[:2], PREFIX)
@@ -168,7 +168,7 @@ def load_records(path: Path) -> Records:
 
 def prefix_state(lm: Any, ids: list[int]) -> tuple[list[Any], PrefixState]:
     """The prefix's KV as the store delivers it (fp16 -> fp32) and what the methods use."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     kv16, stats = Engine(lm, None).analyze(ids)
     kv = torch.from_numpy(kv16).float()
@@ -185,7 +185,7 @@ def forward(
 
     Batch row r runs under `plans[r]`'s selection; the prefix tensors are shared, not copied.
     """
-    from engine_adapter.cache import cache_from
+    from engine_adapter.runner.cache import cache_from
 
     start, rows = int(pairs[0][0].shape[2]), len(plans)
     cache = cache_from(
@@ -207,7 +207,7 @@ def continuation_item(lm: Any, pairs: list[Any], rest: list[int]) -> Item:
 
 def question_item(lm: Any, pairs: list[Any], question: str) -> Item:
     """A question turn, and the full prefix's greedy answer (up to 16 tokens, EOS included)."""
-    from engine_adapter.cache import cache_from
+    from engine_adapter.runner.cache import cache_from
 
     turn = f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     asked = lm.tokenizer.encode(turn)

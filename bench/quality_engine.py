@@ -11,7 +11,7 @@ bytes read as a fraction of the prefix's (summaries and top-ups counted). Rows:
 
 - `all`, `last32`, `last16`, `last8`: `choose_with_last` K, no top-up (the choice alone);
 - `engine`: the shipped default (`Engine(lm, store)`: K = 16, top-up at THETA within CAP,
-  engine_adapter/topup.py); the answer is teacher-forced one token at a time, each token's
+  engine_adapter/runner/topup.py); the answer is teacher-forced one token at a time, each token's
   fetches seen by it and every later one, as `generate` decodes;
 - `topup_<theta>`: the top-up at other thresholds (same cap);
 - `no_topup_<budget>`: no top-up, at a larger budget (the top-up's extra bytes spent up front);
@@ -51,7 +51,7 @@ TOPUP_BUDGETS = (0.21,)
 def rows() -> dict[str, dict[str, Any]]:
     """Every row's name and the `Engine` keyword arguments that make it ({} = the shipped default),
     with the budget where a row has its own."""
-    from engine_adapter.topup import TopUpSettings
+    from engine_adapter.runner.topup import TopUpSettings
 
     out: dict[str, dict[str, Any]] = {_tag(k): {"choose_with_last": k, "topup": None} for k in CHOICES}
     out["engine"] = {}
@@ -71,9 +71,9 @@ def run(
         questions: asked of each.
         only: the rows to measure (names from `rows()`); empty = all.
     """
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
-    from engine_adapter.topup import TopUpSettings
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
+    from engine_adapter.runner.topup import TopUpSettings
     from kvstore.config import StoreConfig
     from kvstore.store.tiered import TieredStore
 
@@ -119,7 +119,7 @@ def _answer(
     jobs: dict[str, dict[str, Any]], records: dict[str, Any],
 ) -> None:  # fmt: skip
     """One question: the full-prefix answer, then each row's teacher-forced logits against it."""
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.sampling import Sampling
 
     turn = f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     prompt = document + lm.tokenizer.encode(turn)

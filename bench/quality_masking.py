@@ -2,7 +2,7 @@
 
 The whole prefix stays in the cache at its true positions; a forward pre-hook on
 every attention module replaces the additive mask the registered attention
-function (`kvsieve`, engine_adapter/attention.py) applies with one that also
+function (`kvsieve`, engine_adapter/runner/attention.py) applies with one that also
 hides the prefix tokens a selection leaves out, per layer and, if the selection
 says so, per KV head. The selection runs inside the forward pass, when the layer's
 queries exist: the first `observe` new tokens' queries (post-RoPE) choose the
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_adapter.layered import layer_queries
+from engine_adapter.runner.layered import layer_queries
 
 #: (layer, queries (query_heads, observed, head_dim) post-RoPE) -> keep (rows, prefix) bool,
 #: rows = 1 (the whole layer) or the number of KV heads.

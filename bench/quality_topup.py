@@ -161,7 +161,7 @@ def compare(
 def run(windows: int, first: int, jobs: Sequence[Row], questions: int, sink: Path | None) -> dict[str, Any]:
     """Mean figures per row over `windows` windows x `questions` questions."""
     from bench.quality_bench import CONTINUATION, PREFIX, SYSTEM
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     head = lm.tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")

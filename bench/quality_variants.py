@@ -45,7 +45,7 @@ VARIANTS = {
 
 def main() -> None:
     """Run the variants and print their figures."""
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--windows", type=int, default=2)

@@ -51,7 +51,7 @@ CONTINUATION = 32
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench readamp --json` prints."""
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     n, count = (512, 3) if quick else (1024, 20)
@@ -65,7 +65,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _one_prefix(lm: Any, ids: list[int], n: int, tmp: Path, quality: Any, amp: Any, times: Any) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     prefix, continuation = ids[: n + 1], ids[n + 1 :]
     kv16, evidence = _prefill(lm, prefix[:n])
@@ -98,7 +98,7 @@ def _one_prefix(lm: Any, ids: list[int], n: int, tmp: Path, quality: Any, amp: A
 
 def _prefill(lm: Any, tokens: list[int]) -> tuple[np.ndarray, PrefixEvidence]:
     """Real KV (fp16, layer-major) and attention evidence of one prefix."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     kv16, stats = Engine(lm, None).analyze(tokens)
     evidence = PrefixEvidence(len(tokens), prefill_normalized=stats.prefill, prefill_raw=stats.prefill_raw)

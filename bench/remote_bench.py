@@ -139,8 +139,8 @@ def _store_latency(server: RedisNode, tmp: Path, num_tokens: int, repeats: int) 
 def _ttft(server: RedisNode, tmp: Path, num_tokens: int) -> dict[str, Any]:
     from bench.texts import token_windows
     from bench.ttft_bench import _question, _ttft
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     prompt = token_windows(lm.tokenizer, num_tokens, 1)[0][1] + _question(lm)

@@ -42,7 +42,7 @@ MAX_POSITIONS = 8192
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench ttft --json` prints."""
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     lengths = (256, 512) if quick else LENGTHS
@@ -71,7 +71,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def _stats_overhead(lm: Any, n: int) -> dict[str, Any]:
     """Prefill time with attention statistics (explicit attention) over without (sdpa)."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     ids = token_windows(lm.tokenizer, n, 1)[0][1]
     plain = statistics.median(_ttft(Engine(lm, None, collect_stats=False), ids, 1.0) for _ in range(2))
@@ -88,7 +88,7 @@ def _question(lm: Any) -> list[int]:
 
 
 def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     length = min(n, MAX_POSITIONS - QUESTION_TOKENS)
     if n > 2048:  # no single text is this long: windows of all of them joined
@@ -127,7 +127,7 @@ def _ttft_at(lm: Any, n: int, data_dir: Path, repeats: int) -> dict[str, Any]:
 
 def _layered_ttft(lm: Any, prompt: list[int], data_dir: Path) -> tuple[float, float]:
     """(TTFT, read fraction) at BUDGET from a cold store in the layered layout (query-aware)."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     config = StoreConfig(data_dir=data_dir, memory_bytes=4 << 30, layout="layered")
     with TieredStore(config) as store:
@@ -168,7 +168,7 @@ def _floor(out: dict[str, Any], n: int, token_bytes: int, seq_file: Path) -> dic
 
 def _quality(lm: Any, data_dir: Path, n: int, count: int) -> dict[str, Any]:
     """Teacher-forced agreement of budget 0.25 with the full prefix, over `count` prefixes."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     agree, kls = [], []
     with TieredStore(StoreConfig(data_dir=data_dir, memory_bytes=4 << 30, layout="importance")) as store:

@@ -105,7 +105,7 @@ def run(quick: bool = False, concurrency: int = 0) -> dict[str, Any]:
     returns the JSON object `kvsieve bench vllm --json` prints."""
     if concurrency < 0:
         raise ValueError(f"--concurrency must be >= 0, got {concurrency}")
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     model, tokenizer = lm.source, lm.tokenizer

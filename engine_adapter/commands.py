@@ -53,8 +53,8 @@ def register(commands: Subcommands) -> None:
 
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import GENERATE_NO_REPEAT_NGRAM, Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import GENERATE_NO_REPEAT_NGRAM, Sampling
 
     budget, sampling = parameter_default(Engine.generate, "budget"), Sampling()
     p.add_argument("prompt", help="the user message (the question, when --context is given)")
@@ -82,7 +82,8 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-topup", action="store_true",
         help="after a layer-by-layer prefill, do not fetch the chunks each answer token needs "
-        "(engine_adapter/topup.py; on by default, within --budget: the prefill keeps a little of it back)",
+        "(engine_adapter/runner/topup.py; on by default, within --budget: the prefill keeps a little "
+        "of it back)",
     )  # fmt: skip
     p.add_argument(
         "--coverage", type=_fraction_arg, default=None,
@@ -144,7 +145,7 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
         where.add_argument("--no-store", action="store_true", help="recompute everything")
     p.add_argument("--token", help="bearer token for --store")
     if namespace:
-        from engine_adapter.engine import Engine
+        from engine_adapter.runner.engine import Engine
 
         default = parameter_default(Engine, "namespace")
         p.add_argument("--namespace", default=default, help=f"tenant / cache salt (default: {default})")
@@ -157,10 +158,10 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine_adapter.device import resolve_device
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.device import resolve_device
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
+    from engine_adapter.runner.sampling import Sampling
 
     sampling = Sampling(
         args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop), args.no_repeat_ngram
@@ -239,11 +240,11 @@ def _read_context(source: str) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from engine_adapter.device import resolve_device
     from engine_adapter.dsl import Limits, plan, run_program
     from engine_adapter.dsl.plan import check_args
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.device import resolve_device
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
 
     limits = build_from_flags_and_env(Limits, args, check=_positive)
     source = args.program.read_text()
@@ -277,9 +278,9 @@ def _positive(name: str, value: Any) -> None:
 def _cmd_engine(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine_adapter.device import resolve_device
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.device import resolve_device
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
     from engine_adapter.server import check_engine_config, serve_engine
 
     config = _engine_config(args)
@@ -331,7 +332,7 @@ def _open_store(args: argparse.Namespace) -> Any:
         from kvstore.client.kvclient import KVClient
 
         return KVClient(args.store, token=args.token)
-    from engine_adapter.model import cache_dir
+    from engine_adapter.runner.model import cache_dir
     from kvstore.config import StoreConfig
     from kvstore.store.tiered import TieredStore
 

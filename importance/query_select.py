@@ -5,7 +5,7 @@ each layer scores the prefix's chunks of consecutive tokens against approximate
 keys decoded from the key summary (for `lowbit2`: every key at 2 bits), forces the
 prefix's first and last tokens in (attention sinks and the recent context), then
 takes chunks by estimated attention mass until the budget is spent. The engine's
-layer-by-layer load (engine_adapter/layered.py) and the benchmark's `qa_lowbit2`
+layer-by-layer load (engine_adapter/runner/layered.py) and the benchmark's `qa_lowbit2`
 method (bench/quality_methods.py) both call `choose_layer_chunks`, so the
 benchmark measures the product's choice. docs/importance.md has the measurements.
 """
@@ -73,7 +73,7 @@ def query_chunk_mass(queries: Array, approx_keys: Array, chunk_tokens: int, scal
 
     The reference arithmetic (numpy): per query head and query, logsumexp of q.k_hat over each
     chunk's tokens, softmax over chunks, then the mean over queries and heads. The engine
-    computes the same in torch (engine_adapter/chunk_mass.py; a test holds the two equal).
+    computes the same in torch (engine_adapter/runner/chunk_mass.py; a test holds the two equal).
     """
     keys = np.asarray(approx_keys, dtype=np.float32)
     layout = ChunkLayout.natural(keys.shape[1], chunk_tokens)

@@ -23,7 +23,7 @@ class PrefixEvidence:
     Attributes:
         num_tokens: tokens in the prefix.
         prefill_normalized: each key's attention mass during prefill divided by the
-            number of queries that could see it (engine_adapter.attention).
+            number of queries that could see it (engine_adapter.runner.attention).
         prefill_raw: each key's raw accumulated attention mass during prefill.
         history: decayed sum of real queries' per-query-normalised attention.
     """

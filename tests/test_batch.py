@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_adapter.batch import left_pad, padding_mask
+from engine_adapter.runner.batch import left_pad, padding_mask
 
 
 def test_rows_are_right_aligned_after_their_padding() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine_adapter.batchcache import BatchCache
-from engine_adapter.sampling import Sampling
+from engine_adapter.runner.batchcache import BatchCache
+from engine_adapter.runner.sampling import Sampling
 
 pytestmark = [pytest.mark.model]
 PROMPTS = ["Name three colours of the rainbow.", "What is the capital of Italy? Answer in one sentence."]
@@ -16,8 +16,8 @@ PROMPTS = ["Name three colours of the rainbow.", "What is the capital of Italy? 
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
 
     return Engine(load_model(quiet=True), None, collect_stats=False)
 

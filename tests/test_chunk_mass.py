@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_adapter.chunk_mass import chunk_mass
+from engine_adapter.runner.chunk_mass import chunk_mass
 from importance.query_select import choose_by_mass, choose_layer_chunks, query_chunk_mass
 from importance.summaries import quantize_keys
 

@@ -43,8 +43,8 @@ def test_help_imports_no_plugin_dependency() -> None:
 
 
 def test_generate_defaults_are_the_dataclass_defaults() -> None:
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import Sampling
     from kvstore.cli.main import _parser
 
     args = _parser().parse_args(["generate", "question"])

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.sampling import Sampling, cut_at_stop
+from engine_adapter.runner.sampling import Sampling, cut_at_stop
 
 pytestmark = pytest.mark.model
 TEXTS = [
@@ -19,7 +19,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True).tokenizer
 
@@ -56,7 +56,7 @@ def _reference(
 def _incremental(
     tokenizer: Any, ids: list[int], sampling: Sampling, eos: set[int]
 ) -> tuple[list[int], str, str]:
-    from engine_adapter.decode import Completion
+    from engine_adapter.runner.decode import Completion
 
     answer = Completion(tokenizer, sampling, eos)
     for token in ids:
@@ -77,7 +77,7 @@ def _samples(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 def test_the_incremental_text_is_the_full_decode_at_every_token(tokenizer: Any) -> None:
-    from engine_adapter.decode import IncrementalText
+    from engine_adapter.runner.decode import IncrementalText
 
     byte_pieces = [tokenizer.convert_tokens_to_ids(t) for t in ("Ã", "©", "ð", "Ł", "ĺ", "Ģ")]
     samples = [*_samples(tokenizer, 300), byte_pieces, [0, 1, 2, *byte_pieces, 2]]
@@ -115,7 +115,7 @@ def test_an_end_token_ends_the_answer_without_being_kept(tokenizer: Any) -> None
 
 
 def test_decoding_is_linear_in_the_answer_length(tokenizer: Any) -> None:
-    from engine_adapter.decode import Completion
+    from engine_adapter.runner.decode import Completion
 
     ids = tokenizer.encode(" ".join(TEXTS) * 12, add_special_tokens=False)[:1500]
     counting = CountingTokenizer(tokenizer)

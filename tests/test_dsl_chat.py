@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.chat import Conversation
 from engine_adapter.dsl import plan
 from engine_adapter.dsl.run import ProgramRun
+from engine_adapter.runner.chat import Conversation
 
 pytestmark = pytest.mark.model
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -16,8 +16,8 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
 
     return Engine(load_model(quiet=True), None)
 

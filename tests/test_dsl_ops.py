@@ -60,7 +60,9 @@ def test_the_executor_knows_no_syntax_and_no_chat_tokens() -> None:
 
 
 def test_planning_imports_no_torch() -> None:
-    code = "import sys, engine_adapter.dsl.plan, engine_adapter.sampling; print('torch' in sys.modules)"
+    code = (
+        "import sys, engine_adapter.dsl.plan, engine_adapter.runner.sampling; print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -23,7 +23,7 @@ SYSTEM = 'system "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -36,7 +36,7 @@ def store(tmp_path: Path) -> Iterator[TieredStore]:
 
 @pytest.fixture
 def engine(lm, store: TieredStore):  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     return Engine(lm, store)
 

@@ -30,7 +30,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -54,7 +54,7 @@ def store(tmp_path: Path) -> Iterator[TieredStore]:
 
 
 def test_logits_after_loading_match_recomputation(lm, store: TieredStore) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     ids = Engine(lm).encode(_messages(PROMPTS[0]))
     recomputed = Engine(lm, None).prefill(ids).logits
@@ -73,8 +73,8 @@ def test_logits_after_loading_match_recomputation(lm, store: TieredStore) -> Non
 
 @pytest.mark.parametrize("via", ["embedded", "grpc"])
 def test_greedy_answers_identical_for_five_prompts(lm, tmp_path: Path, via: str) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import Sampling
 
     sampling = Sampling(max_tokens=64)
     server = None
@@ -98,8 +98,8 @@ def test_greedy_answers_identical_for_five_prompts(lm, tmp_path: Path, via: str)
 
 
 def test_partial_budget_keeps_true_positions_and_stores_nothing(lm, store: TieredStore) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import Sampling
 
     engine = Engine(lm, store)
     ids = engine.encode(_messages(PROMPTS[1]))
@@ -114,7 +114,7 @@ def test_partial_budget_keeps_true_positions_and_stores_nothing(lm, store: Tiere
 
 
 def test_statistics_path_keeps_the_causal_mask(lm) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.attention import AttentionStats
+    from engine_adapter.runner.attention import AttentionStats
 
     ids = torch.tensor([lm.tokenizer.encode("The quick brown fox jumps over the lazy dog again and again")])
     with torch.inference_mode():
@@ -127,7 +127,7 @@ def test_statistics_path_keeps_the_causal_mask(lm) -> None:  # type: ignore[no-u
 
 
 def test_history_scores_are_reported_and_blocks_stored_in_importance_order(lm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     config = StoreConfig(data_dir=tmp_path / "data", block_tokens=32, chunk_tokens=8, layout="importance")
     with TieredStore(config) as store:
@@ -143,8 +143,8 @@ def test_history_scores_are_reported_and_blocks_stored_in_importance_order(lm, t
 
 
 def test_batched_decoding_matches_one_at_a_time(lm) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import Sampling
 
     engine = Engine(lm, None, collect_stats=False)
     prompts = ["What is the capital of France?", "Write a haiku about the sea and the moon, please.", "2+2="]
@@ -154,8 +154,8 @@ def test_batched_decoding_matches_one_at_a_time(lm) -> None:  # type: ignore[no-
 
 
 def test_sampling_seed_stop_and_max_tokens(lm) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
-    from engine_adapter.sampling import Sampling
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.sampling import Sampling
 
     engine = Engine(lm, None, collect_stats=False)
     hot = Sampling(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
@@ -180,7 +180,7 @@ def test_generate_command_reports_where_time_went(tmp_path: Path) -> None:
 
 
 def test_short_prompts_are_stored_through_a_sidecar(lm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     server = Sidecar(tmp_path / "data").start()  # 32-token blocks: the engine cannot know that
     try:

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_adapter.device import KVTransfer, resolve_device
-from engine_adapter.sampling import GENERATE_NO_REPEAT_NGRAM, Sampling
+from engine_adapter.runner.device import KVTransfer, resolve_device
+from engine_adapter.runner.sampling import GENERATE_NO_REPEAT_NGRAM, Sampling
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.load.buffers import StagingError, StagingPool
@@ -121,8 +121,8 @@ def test_copier_upload_reorders_and_converts_and_download_round_trips() -> None:
 def test_layer_upload_fills_the_cache_the_forward_reads() -> None:
     """A prefix uploaded layer by layer (shuffled, reordered on the way) gives the logits of the
     prefix's own cache: the hooks make each layer's copy land before its attention reads it."""
-    from engine_adapter.cache import cache_from, cache_kwargs, empty_cache
-    from engine_adapter.model import random_llama
+    from engine_adapter.runner.cache import cache_from, cache_kwargs, empty_cache
+    from engine_adapter.runner.model import random_llama
 
     torch.manual_seed(0)
     model = random_llama((64, 128, 3, 4, 2, 100), "cpu", torch.float32)
@@ -148,7 +148,7 @@ def test_layer_upload_fills_the_cache_the_forward_reads() -> None:
 
 @pytest.fixture(scope="module")
 def lm() -> Any:
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -166,7 +166,7 @@ def _prompt() -> list[dict[str, str]]:
 
 @pytest.mark.model
 def test_cache_is_passed_by_the_name_the_forward_takes(lm: Any) -> None:
-    from engine_adapter.cache import cache_kwargs
+    from engine_adapter.runner.cache import cache_kwargs
 
     (name,) = set(cache_kwargs(lm.model, None)) - {"use_cache"}
     assert name in inspect.signature(type(lm.model).forward).parameters
@@ -174,7 +174,7 @@ def test_cache_is_passed_by_the_name_the_forward_takes(lm: Any) -> None:
 
 @pytest.mark.model
 def test_generate_raises_no_future_warning(lm: Any, store: TieredStore) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     engine = Engine(lm, store)
     with warnings.catch_warnings():
@@ -187,7 +187,7 @@ def test_generate_raises_no_future_warning(lm: Any, store: TieredStore) -> None:
 
 @pytest.mark.model
 def test_staged_path_answers_as_the_plain_one_and_reuses_its_buffers(lm: Any, store: TieredStore) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     sampling = Sampling(max_tokens=6)
     plain = Engine(lm, store).generate(_prompt(), sampling)
@@ -204,7 +204,7 @@ def test_staged_path_answers_as_the_plain_one_and_reuses_its_buffers(lm: Any, st
 
 @pytest.mark.model
 def test_a_failed_copy_recomputes_the_prompt(lm: Any, store: TieredStore) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     sampling = Sampling(max_tokens=6)
     reference = Engine(lm, None).generate(_prompt(), sampling)
@@ -227,7 +227,7 @@ def _ngrams(tokens: list[int], n: int) -> list[tuple[int, ...]]:
 
 @pytest.mark.model
 def test_repetition_guard_stops_a_loop_and_is_off_when_disabled(lm: Any) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     engine = Engine(lm, None)
     pattern = lm.tokenizer.encode(" red green blue yellow,")
@@ -253,7 +253,7 @@ def test_guard_is_on_in_generate_and_off_by_default_elsewhere() -> None:
 
 
 def test_sampler_bans_the_token_that_would_repeat_a_run() -> None:
-    from engine_adapter.decode import Sampler
+    from engine_adapter.runner.decode import Sampler
 
     sampler = Sampler(Sampling(no_repeat_ngram=3))
     vocab = 5
@@ -278,8 +278,8 @@ def test_sampler_bans_the_token_that_would_repeat_a_run() -> None:
 def test_gpu_greedy_answer_equals_the_cpus_with_the_prefix_loaded(
     lm: Any, store: TieredStore, tmp_path: Path
 ) -> None:
-    from engine_adapter.engine import Engine
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
 
     sampling = Sampling(max_tokens=16)
     Engine(lm, store).generate(_prompt(), Sampling(max_tokens=1))  # the prefix is stored

@@ -66,7 +66,7 @@ class EngineThread:
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -80,7 +80,7 @@ def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
 
 @pytest.fixture
 def engine_server(lm, sidecar: Sidecar) -> Iterator[EngineThread]:  # type: ignore[no-untyped-def]
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     store = KVClient(sidecar.address, token=ENGINE_STORE_TOKEN, timeout_s=30)
     server = EngineThread(Engine(lm, store), ServerConfig(listen="127.0.0.1:0", auth_tokens=TOKENS))
@@ -145,7 +145,7 @@ def test_the_stream_ends_with_an_error_when_the_store_dies(
 def test_a_network_engine_with_tokens_and_tls_serves_only_tls_clients(lm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import shutil
 
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")

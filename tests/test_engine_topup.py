@@ -1,4 +1,4 @@
-"""The decode-time top-up (engine_adapter/topup.py) on the real model over a real LMDB store.
+"""The decode-time top-up (engine_adapter/runner/topup.py) on the real model over a real LMDB store.
 
 One 512-token document (two layered blocks, 8-token chunks) and one question; the
 prefill reads 30 % of the prefix layer by layer, then each decode step tops up.
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from bench.texts import token_windows
-from engine_adapter.cache import cache_from, share_cache
-from engine_adapter.layered import LayeredPrefill, chunk_positions, layered_prefill
-from engine_adapter.layered_policy import chunks_for_fraction
-from engine_adapter.sampling import Sampling
-from engine_adapter.topup import (
+from engine_adapter.runner.cache import cache_from, share_cache
+from engine_adapter.runner.layered import LayeredPrefill, chunk_positions, layered_prefill
+from engine_adapter.runner.layered_policy import chunks_for_fraction
+from engine_adapter.runner.sampling import Sampling
+from engine_adapter.runner.topup import (
     CAP,
     RESERVE_MAX_FRACTION,
     RESERVE_TOKENS,
@@ -48,7 +48,7 @@ def _config(root: Path) -> StoreConfig:
 
 @pytest.fixture(scope="module")
 def lm() -> Any:
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -60,7 +60,7 @@ def prompt(lm: Any) -> tuple[list[int], list[int]]:
 
 
 def _stored(lm: Any, root: Path, doc: list[int], question: list[int]) -> TieredStore:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     store = TieredStore(_config(root))
     with torch.inference_mode():
@@ -86,7 +86,7 @@ class Decoded(NamedTuple):
 def _decode(lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]], settings: TopUpSettings,
             steps: int = STEPS) -> Decoded:  # fmt: skip
     """Greedy decode over a layered prefill with a top-up, as `Engine.generate` does it."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     doc, question = prompt
     load = store.open_layers(doc, model=lm.spec)
@@ -157,7 +157,7 @@ def test_the_rule_takes_missing_chunks_over_theta_largest_first_until_the_cap(
 def test_theta_zero_without_a_cap_makes_the_step_see_the_whole_prefix(
     lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]]
 ) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     doc, question = prompt
     run = _decode(lm, store, prompt, TopUpSettings(theta=0.0, cap=1.0), steps=1)
@@ -194,7 +194,7 @@ def test_theta_zero_without_a_cap_makes_the_step_see_the_whole_prefix(
 def test_turned_off_it_is_todays_layered_path_exactly(
     lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]]
 ) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     doc, question = prompt
     sampling = Sampling(max_tokens=STEPS, temperature=0.0, no_repeat_ngram=0)
@@ -233,7 +233,7 @@ def test_turned_off_it_is_todays_layered_path_exactly(
 def test_a_store_error_during_a_top_up_stops_it_and_the_answer_goes_on(
     lm: Any, prompt: tuple[list[int], list[int]], tmp_path: Path
 ) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     doc, question = prompt
     layer = 2
@@ -268,7 +268,7 @@ def test_the_top_up_stops_at_the_budget(
     lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]]
 ) -> None:
     """Asked for every chunk (theta 0, no cap), the top-up still ends the load within its budget."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     doc, question = prompt
     engine = Engine(lm, store, topup=TopUpSettings(theta=0.0, cap=1.0))
@@ -291,8 +291,8 @@ def test_bad_settings_are_refused_by_name() -> None:
 def test_generate_verbose_reports_the_top_up(
     lm: Any, store: TieredStore, prompt: tuple[list[int], list[int]], capsys: Any
 ) -> None:
-    from engine_adapter.engine import Engine
     from engine_adapter.reports import print_layered
+    from engine_adapter.runner.engine import Engine
 
     doc, question = prompt
     engine = Engine(lm, store)

@@ -1,4 +1,4 @@
-"""Layer-by-layer prefill with query-aware chunks (engine_adapter/layered.py) on the real SmolLM2 model."""
+"""Layer-by-layer prefill with query-aware chunks (engine_adapter/runner/layered.py), real SmolLM2."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import torch
 from bench.quality_bench import SHIPPED_CONFIG, forward, prefix_state
 from bench.quality_masking import MaskPlan, masking
 from bench.texts import token_windows
-from engine_adapter.array_layers import ArrayLayers
-from engine_adapter.layered import CHOOSE_WITH_LAST, chunk_positions, layer_queries, layered_prefill
-from engine_adapter.layered_policy import MIN_LAYERED_FRACTION, chunks_for_fraction, static_auto_fraction
 from engine_adapter.reports import print_layered
+from engine_adapter.runner.array_layers import ArrayLayers
+from engine_adapter.runner.layered import CHOOSE_WITH_LAST, chunk_positions, layer_queries, layered_prefill
+from engine_adapter.runner.layered_policy import (
+    MIN_LAYERED_FRACTION,
+    chunks_for_fraction,
+    static_auto_fraction,
+)
 from importance.query_select import choose_layer_chunks
 from importance.summaries import ChunkLayout
 from kvstore.api import Tokens
@@ -39,7 +43,7 @@ QUESTION = (
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -47,7 +51,7 @@ def lm():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def doc(lm: Any) -> tuple[list[int], list[int], np.ndarray]:
     """A 256-token document, a question turn after it, and the document's KV (fp16)."""
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     prefix = token_windows(lm.tokenizer, PREFIX, 1)[0][1][:PREFIX]
     kv16, _ = Engine(lm, None).analyze(prefix)
@@ -95,7 +99,7 @@ def greedy(engine: Any, logits: torch.Tensor, cache: Any, position: int, steps: 
 
 
 def test_every_chunk_gives_the_full_prefix_answer(lm: Any, doc: Any) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     prefix, question, kv16 = doc
     engine = Engine(lm, None)
@@ -172,7 +176,7 @@ def lm_token(engine: Any) -> int:
 def test_a_checksum_error_mid_pass_recomputes_the_prompt(
     lm: Any, doc: Any, store: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     prefix, question, _ = doc
     engine = Engine(lm, store, topup=None)
@@ -199,7 +203,7 @@ def test_a_checksum_error_mid_pass_recomputes_the_prompt(
 def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
     lm: Any, doc: Any, store: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     prefix, question, _ = doc
     engine = Engine(lm, store, topup=None)
@@ -229,7 +233,7 @@ def test_policy_layered_only_for_several_new_tokens_at_a_partial_budget(
 
 
 def test_auto_reads_what_the_static_plan_would_deliver(lm: Any, doc: Any, store: Any) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     prefix, question, _ = doc
     engine = Engine(lm, store, topup=None)
@@ -285,7 +289,7 @@ def _layered_choice(engine: Any, prompt: list[int]) -> dict[int, np.ndarray]:
 def test_the_engine_chooses_with_the_last_new_tokens_queries(
     lm: Any, doc: Any, long_doc: list[int], store: Any, last: int | None
 ) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     question = doc[1]
     engine = Engine(lm, store, topup=None, choose_with_last=last)
@@ -321,7 +325,7 @@ def test_choosing_with_the_question_not_the_documents_tail(
     (RoPE turns each query by its distance to every key) and its hidden states have
     attended to the tail too. So the test asserts what holds: closer, per layer on average.
     """
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     question = doc[1]
     _prime(Engine(lm, store, topup=None), long_doc[:PREFIX])
@@ -352,7 +356,7 @@ def test_choosing_with_the_question_not_the_documents_tail(
 
 
 def test_choose_with_last_below_one_is_refused(lm: Any) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
     from kvstore.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="choose_with_last must be >= 1"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from bench.texts import token_windows
-from engine_adapter.array_layers import ArrayLayers
-from engine_adapter.layered import layered_prefill
+from engine_adapter.runner.array_layers import ArrayLayers
+from engine_adapter.runner.layered import layered_prefill
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 
@@ -30,7 +30,7 @@ QUESTION = (
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -44,7 +44,7 @@ def store(tmp_path: Path) -> Iterator[Any]:
 
 
 def test_the_store_path_equals_the_in_process_path(lm: Any, store: Any) -> None:
-    from engine_adapter.engine import Engine
+    from engine_adapter.runner.engine import Engine
 
     doc = token_windows(lm.tokenizer, 512, 1)[0][1][:512]
     question = lm.tokenizer.encode(QUESTION)

@@ -20,7 +20,7 @@ PREFIX, NEW = 96, 12
 
 @pytest.fixture(scope="module")
 def lm():  # type: ignore[no-untyped-def]
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     return load_model(quiet=True)
 
@@ -35,7 +35,7 @@ def prefix(lm: Any) -> tuple[list[int], list[int], list[Any], Any]:
 
 def partial_cache_logits(lm: Any, pairs: list[Any], kept: np.ndarray, new: list[int]) -> torch.Tensor:
     """A real DynamicCache holding only the kept tokens, the new ones at their true positions."""
-    from engine_adapter.cache import cache_from
+    from engine_adapter.runner.cache import cache_from
 
     index = torch.from_numpy(np.flatnonzero(kept))
     cache = cache_from(lm.model.config, [(k[:, :, index], v[:, :, index]) for k, v in pairs])
@@ -142,7 +142,7 @@ def test_the_chooser_sees_the_layers_real_queries(lm: Any, prefix: Any) -> None:
 
 
 def _hidden_states(lm: Any, pairs: list[Any], new: list[int]) -> Any:
-    from engine_adapter.cache import cache_from
+    from engine_adapter.runner.cache import cache_from
 
     cache = cache_from(lm.model.config, pairs)
     positions = torch.arange(PREFIX, PREFIX + len(new)).unsqueeze(0)

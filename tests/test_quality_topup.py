@@ -67,7 +67,7 @@ def test_bad_shapes_are_named() -> None:
 
 @pytest.fixture(scope="module")
 def model_prefix() -> tuple[Any, list[int], list[Any], Any]:
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     ids = token_windows(lm.tokenizer, PREFIX + NEW, 1)[0][1]

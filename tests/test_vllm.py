@@ -122,7 +122,7 @@ def model_spec(world: World, kv_dtype: str) -> ModelSpec:
     """The spec our engine's function gives this model directory with KV in `kv_dtype`."""
     from transformers import AutoConfig
 
-    from engine_adapter.model import spec_from_config
+    from engine_adapter.runner.model import spec_from_config
 
     return spec_from_config(
         AutoConfig.from_pretrained(world.model, local_files_only=True), world.model, kv_dtype
@@ -135,7 +135,7 @@ def driver_options(logs: Path, name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    from engine_adapter.model import load_model
+    from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     model, tokenizer = lm.source, lm.tokenizer

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine_adapter.cache import share_cache
-from engine_adapter.chat import Conversation
+from engine_adapter.runner.cache import share_cache
+from engine_adapter.runner.chat import Conversation
 
 
 @dataclass

@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from engine_adapter.batchcache import BatchCache
-from engine_adapter.cache import share_cache
-from engine_adapter.decode import Completion, Sampler
 from engine_adapter.dsl import ops
 from engine_adapter.dsl.context import Context
 from engine_adapter.dsl.errors import ProgramRuntimeError
 from engine_adapter.dsl.plan import Plan, check_args
 from engine_adapter.dsl.values import Branch, Frame, ListItems, as_text, list_items, ready, value_of
-from engine_adapter.engine import Engine
+from engine_adapter.runner.batchcache import BatchCache
+from engine_adapter.runner.cache import share_cache
+from engine_adapter.runner.decode import Completion, Sampler
+from engine_adapter.runner.engine import Engine
 
 
 @dataclass(frozen=True)

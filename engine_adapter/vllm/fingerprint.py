@@ -1,6 +1,6 @@
 """The `ModelSpec` of the model vLLM serves: the identity every block key includes.
 
-Built exactly as our own engine builds it (`engine_adapter.model.spec_from_config`):
+Built exactly as our own engine builds it (`engine_adapter.runner.model.spec_from_config`):
 the model directory's name, its HF config (layers, KV heads, head size, rope), a
 digest of its weight files and tokenizer, and the dtype of the KV cache. Nothing
 comes from process-local state, so a restarted vLLM, a second vLLM process, or
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.model import spec_from_config
+from engine_adapter.runner.model import spec_from_config
 from engine_adapter.vllm.layout import dtype_name
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec

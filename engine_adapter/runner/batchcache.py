@@ -10,7 +10,7 @@ set of rows changes (`add`, `take`, `drop` rebuild the buffers once) or when a
 row outgrows the capacity reserved for it.
 
 Sharing: a fork that waits or prefills keeps sharing its parent's tensors (see
-`engine_adapter.cache`); entering the batch copies its KV once. Sharing a prefix
+`engine_adapter.runner.cache`); entering the batch copies its KV once. Sharing a prefix
 inside the batch would need an attention kernel over a shared prefix plus
 per-row suffixes (cascade attention), which transformers' sdpa path lacks.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from engine_adapter.batch import padding_mask
-from engine_adapter.cache import cache_from
+from engine_adapter.runner.batch import padding_mask
+from engine_adapter.runner.cache import cache_from
 
 #: Per layer (keys, values) of one row, (1, heads, length, dim).
 RowKV = list[tuple[torch.Tensor, torch.Tensor]]

@@ -6,7 +6,7 @@ pre-hook on every attention module runs when that layer's input exists: it
 computes the queries (post-RoPE, true positions) of the last `choose_with_last`
 new tokens (the question, not the document's uncached tail), scores the prefix's
 chunks against the layer's key summary (`LayeredLoad.key_summary`), chooses
-(engine_adapter/chunk_mass.py in torch, then importance/query_select.py's
+(engine_adapter/runner/chunk_mass.py in torch, then importance/query_select.py's
 `choose_by_mass`: the choice the quality benchmark simulates, held equal by a test), reads
 the chosen chunks of that layer only (`LayeredLoad.read_layer`) and copies them
 into the cache in place, before the attention reads it. Every new token is then
@@ -16,7 +16,7 @@ true positions (keys are stored post-RoPE); the new tokens get theirs explicitly
 The resulting cache holds different tokens per layer: an approximation of the
 prefix, never to be stored. A store error mid-pass propagates (the engine then
 recomputes the prompt: no partial KV is used). With `keep_summaries` the decoded key
-summaries stay in the result, for the decode-time top-up (engine_adapter/topup.py).
+summaries stay in the result, for the decode-time top-up (engine_adapter/runner/topup.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine_adapter.cache import cache_from, cache_kwargs
-from engine_adapter.chunk_mass import chunk_mass
-from engine_adapter.device import copy_into_cache
+from engine_adapter.runner.cache import cache_from, cache_kwargs
+from engine_adapter.runner.chunk_mass import chunk_mass
+from engine_adapter.runner.device import copy_into_cache
 from importance.query_select import choose_by_mass
 from kvstore.api import LayeredLoad, LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError
@@ -64,7 +64,7 @@ class LayeredReport:
         query_tokens: the last new tokens whose queries chose the chunks (<= new_tokens).
         load_s: seconds spent scoring and reading inside the forward pass.
         error: why the load was abandoned (the prompt was recomputed); "" if it was not.
-        topup_chunks: chunks fetched during decoding (engine_adapter/topup.py), over all layers;
+        topup_chunks: chunks fetched during decoding (engine_adapter/runner/topup.py), over all layers;
             their bytes are in `bytes_read` and `read_fraction`, their tokens in `delivered_fraction`.
         topup_bytes: bytes those chunks read.
         topup_steps: decode steps that fetched at least one chunk.

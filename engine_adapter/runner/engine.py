@@ -7,10 +7,10 @@ builds the cache from the loaded chunks at their true positions, computes only
 the new tokens, stores the new full blocks with their prefill scores, reports
 how the new tokens attended to the prefix, then decodes. A request with new
 tokens at a partial budget may instead load the prefix layer by layer, each
-layer's chunks chosen by those tokens' queries (engine_adapter/layered.py), and then, while
-decoding, fetch the chunks each answer token needs (engine_adapter/topup.py).
+layer's chunks chosen by those tokens' queries (engine_adapter/runner/layered.py), and then, while
+decoding, fetch the chunks each answer token needs (engine_adapter/runner/topup.py).
 
-`Engine` is the facade: the prefill paths live in engine_adapter/prefill.py, the
+`Engine` is the facade: the prefill paths live in engine_adapter/runner/prefill.py, the
 decode loops and the scoring here.
 """
 
@@ -24,17 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_adapter.attention import AttentionStats
-from engine_adapter.batch import left_pad, padding_mask
-from engine_adapter.cache import cache_kwargs
-from engine_adapter.chat import ChatFormat
-from engine_adapter.decode import Completion, Sampler
-from engine_adapter.device import KVTransfer
-from engine_adapter.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last
-from engine_adapter.model import LoadedModel
-from engine_adapter.prefill import Prefill, Timings, forward, prefill_layered, prefill_static
-from engine_adapter.sampling import Sampling
-from engine_adapter.topup import TopUpSettings, decoding
+from engine_adapter.runner.attention import AttentionStats
+from engine_adapter.runner.batch import left_pad, padding_mask
+from engine_adapter.runner.cache import cache_kwargs
+from engine_adapter.runner.chat import ChatFormat
+from engine_adapter.runner.decode import Completion, Sampler
+from engine_adapter.runner.device import KVTransfer
+from engine_adapter.runner.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last
+from engine_adapter.runner.model import LoadedModel
+from engine_adapter.runner.prefill import Prefill, Timings, forward, prefill_layered, prefill_static
+from engine_adapter.runner.sampling import Sampling
+from engine_adapter.runner.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 
@@ -67,11 +67,11 @@ class Engine:
             (explicit attention instead of sdpa while computing the prompt).
         choose_with_last: on the layer-by-layer path, the last this many new tokens'
             queries choose each layer's chunks (the question, not the document's uncached
-            tail: engine_adapter/layered.py `CHOOSE_WITH_LAST`); None = every new token's.
+            tail: engine_adapter/runner/layered.py `CHOOSE_WITH_LAST`); None = every new token's.
         transfer: how loaded KV reaches the model's device (default: `KVTransfer` for
             the model's device: staged async copies on CUDA, today's conversion on CPU).
         topup: after a layer-by-layer prefill, fetch the chunks each decode token needs
-            (engine_adapter/topup.py); None = off.
+            (engine_adapter/runner/topup.py); None = off.
     """
 
     def __init__(
@@ -127,7 +127,7 @@ class Engine:
     def _prefill(self, ids: Sequence[int], budget: Budget) -> Prefill:
         """`prefill`, its store possibly still pending (`Prefill.pending_store`).
 
-        The paths themselves are engine_adapter/prefill.py's: layer by layer when its
+        The paths themselves are engine_adapter/runner/prefill.py's: layer by layer when its
         policy says so, else the prefix loaded in one call.
         """
         timings = Timings()

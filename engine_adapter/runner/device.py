@@ -170,7 +170,7 @@ class KVTransfer:
 def copy_into_cache(layer: Any, kv: Array) -> None:
     """Copy a layer's loaded KV (2, heads, tokens, dim) into cache layer `layer`'s tensors, in place.
 
-    The layer-by-layer path's install (engine_adapter/layered.py): on the CPU one
+    The layer-by-layer path's install (engine_adapter/runner/layered.py): on the CPU one
     converting copy per tensor; on CUDA through a staging buffer of the device's shared
     copier, on its copy stream, and the current stream waits for exactly these copies
     (the attention that reads them comes next: the chunks were chosen by its queries).

@@ -53,8 +53,7 @@ def register(commands: Subcommands) -> None:
 
 
 def _generate_flags(p: argparse.ArgumentParser) -> None:
-    from engine_adapter.runner.engine import Engine
-    from engine_adapter.runner.sampling import GENERATE_NO_REPEAT_NGRAM, Sampling
+    from engine_adapter.runner import GENERATE_NO_REPEAT_NGRAM, Engine, Sampling
 
     budget, sampling = parameter_default(Engine.generate, "budget"), Sampling()
     p.add_argument("prompt", help="the user message (the question, when --context is given)")
@@ -145,7 +144,7 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
         where.add_argument("--no-store", action="store_true", help="recompute everything")
     p.add_argument("--token", help="bearer token for --store")
     if namespace:
-        from engine_adapter.runner.engine import Engine
+        from engine_adapter.runner import Engine
 
         default = parameter_default(Engine, "namespace")
         p.add_argument("--namespace", default=default, help=f"tenant / cache salt (default: {default})")
@@ -158,10 +157,7 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine_adapter.runner.device import resolve_device
-    from engine_adapter.runner.engine import Engine
-    from engine_adapter.runner.model import load_model
-    from engine_adapter.runner.sampling import Sampling
+    from engine_adapter.runner import Engine, Sampling, load_model, resolve_device
 
     sampling = Sampling(
         args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop), args.no_repeat_ngram
@@ -242,9 +238,7 @@ def _read_context(source: str) -> str:
 def _cmd_run(args: argparse.Namespace) -> int:
     from engine_adapter.dsl import Limits, plan, run_program
     from engine_adapter.dsl.plan import check_args
-    from engine_adapter.runner.device import resolve_device
-    from engine_adapter.runner.engine import Engine
-    from engine_adapter.runner.model import load_model
+    from engine_adapter.runner import Engine, load_model, resolve_device
 
     limits = build_from_flags_and_env(Limits, args, check=_positive)
     source = args.program.read_text()
@@ -278,9 +272,7 @@ def _positive(name: str, value: Any) -> None:
 def _cmd_engine(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine_adapter.runner.device import resolve_device
-    from engine_adapter.runner.engine import Engine
-    from engine_adapter.runner.model import load_model
+    from engine_adapter.runner import Engine, load_model, resolve_device
     from engine_adapter.server import check_engine_config, serve_engine
 
     config = _engine_config(args)
@@ -332,7 +324,7 @@ def _open_store(args: argparse.Namespace) -> Any:
         from kvstore.client.kvclient import KVClient
 
         return KVClient(args.store, token=args.token)
-    from engine_adapter.runner.model import cache_dir
+    from engine_adapter.runner import cache_dir
     from kvstore.config import StoreConfig
     from kvstore.store.tiered import TieredStore
 

@@ -15,7 +15,7 @@ from kvstore.budget import AutoBudget
 
 if TYPE_CHECKING:
     from engine_adapter.dsl.run import Event
-    from engine_adapter.runner.layered import LayeredReport
+    from engine_adapter.runner import LayeredReport
 
 
 def budget_words(budget: float | int | AutoBudget) -> str:
@@ -62,7 +62,7 @@ def print_layered(report: LayeredReport | None) -> None:
 def print_timings(result: Any, budget: float | int | AutoBudget, fingerprint: str) -> None:
     """`generate -v`: where the prompt's tokens came from and where the time went (stderr)."""
     from engine_adapter.reuse import reuse_summary
-    from engine_adapter.runner.model import cache_dir
+    from engine_adapter.runner import cache_dir
 
     t = result.timings
     print(

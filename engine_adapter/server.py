@@ -32,7 +32,7 @@ from typing_extensions import override
 from engine_adapter.dsl import ProgramError, plan
 from engine_adapter.dsl.plan import check_args
 from engine_adapter.dsl.run import Event, ProgramRun
-from engine_adapter.runner.engine import Engine
+from engine_adapter.runner import Engine
 from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
 from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidInputError, PermissionDeniedError, UnauthenticatedError

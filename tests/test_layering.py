@@ -277,7 +277,7 @@ FORBIDDEN = {
     "root upward": (
         "kvstore/cli/main.py",
         "import engine_adapter.commands\n",
-        "kvstore.cli.main (layer 11) may not import engine_adapter",
+        "kvstore.cli.main (layer 13) may not import engine_adapter",
     ),
     "root computed name": (
         "kvstore/cli/main.py",

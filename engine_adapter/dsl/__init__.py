@@ -15,7 +15,7 @@ from engine_adapter.dsl.plan import Limits, Plan, plan
 
 if TYPE_CHECKING:
     from engine_adapter.dsl.run import Event
-    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner import Engine
 
 __all__ = ["Limits", "Plan", "ProgramError", "ProgramRuntimeError", "plan", "run_program"]
 

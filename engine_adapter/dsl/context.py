@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.runner.cache import share_cache
-from engine_adapter.runner.chat import Conversation
+from engine_adapter.runner import Conversation, share_cache
 
 
 @dataclass

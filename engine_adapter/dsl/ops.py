@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from engine_adapter.runner.sampling import Sampling
+from engine_adapter.runner import Sampling
 
 
 @dataclass(frozen=True)

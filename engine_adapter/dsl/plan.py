@@ -16,7 +16,7 @@ from engine_adapter.dsl import ops
 from engine_adapter.dsl import syntax as syn
 from engine_adapter.dsl.errors import ProgramError
 from engine_adapter.dsl.ops import Slot
-from engine_adapter.runner.sampling import Sampling
+from engine_adapter.runner import Sampling
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 GEN_ARGS = {"max_tokens", "stop", "temperature", "top_p", "seed", "type", "max_items"}

@@ -25,10 +25,7 @@ from engine_adapter.dsl.context import Context
 from engine_adapter.dsl.errors import ProgramRuntimeError
 from engine_adapter.dsl.plan import Plan, check_args
 from engine_adapter.dsl.values import Branch, Frame, ListItems, as_text, list_items, ready, value_of
-from engine_adapter.runner.batchcache import BatchCache
-from engine_adapter.runner.cache import share_cache
-from engine_adapter.runner.decode import Completion, Sampler
-from engine_adapter.runner.engine import Engine
+from engine_adapter.runner import BatchCache, Completion, Engine, Sampler, share_cache
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.runner.model import spec_from_config
+from engine_adapter.runner import spec_from_config
 from engine_adapter.vllm.layout import dtype_name
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec

@@ -394,11 +394,6 @@ class WorkerSide:
     def _store(self, job: SaveJob) -> int:
         num_tokens = len(job.tokens) - job.kv_start
         kv = layout.blocks_to_kv(job.blocks, self.layout, job.offset, num_tokens)
-        result = self.client.store(
-            np.asarray(job.tokens, np.uint32),
-            kv,
-            model=self.spec,
-            namespace=self.namespace,
-            kv_start=job.kv_start,
-        )
+        tokens, start = np.asarray(job.tokens, np.uint32), job.kv_start
+        result = self.client.store(tokens, kv, model=self.spec, namespace=self.namespace, kv_start=start)
         return int(result.new_blocks)

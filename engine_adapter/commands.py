@@ -154,6 +154,12 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
         help="where the model computes; loaded KV is copied there layer by layer through pooled pinned "
         "buffers (auto = CUDA when present; default cpu)",
     )  # fmt: skip
+    p.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+        help="what the model computes in and keeps its KV in (fp32 keeps fp16 KV): auto = fp32 on "
+        "the CPU, the checkpoint's half precision on CUDA (bf16 for an fp32 checkpoint); KV of "
+        "another dtype is never loaded",
+    )  # fmt: skip
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -167,7 +173,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         {"role": "user", "content": user}
     ]
     budget = resolve_budget(args.budget, coverage=args.coverage)  # before the model loads
-    lm = load_model(args.model, device=resolve_device(args.device))
+    lm = load_model(args.model, device=resolve_device(args.device), dtype=args.dtype)
     store = _open_store(args)
     try:
         engine = Engine(
@@ -248,7 +254,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     store = _open_store(args)
     exit_code = 0
     try:
-        engine = Engine(load_model(args.model, device=device), store, namespace=args.namespace)
+        engine = Engine(
+            load_model(args.model, device=device, dtype=args.dtype), store, namespace=args.namespace
+        )
         for event in run_program(engine, source, values, limits=limits, keep=args.keep):
             print_event(event, args.json)
             exit_code = 1 if event.kind == "error" else exit_code
@@ -280,7 +288,8 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     store = _open_store(args)
     try:
-        asyncio.run(serve_engine(Engine(load_model(args.model, device=device), store), config))
+        lm = load_model(args.model, device=device, dtype=args.dtype)
+        asyncio.run(serve_engine(Engine(lm, store), config))
     finally:
         if store is not None:
             store.close()

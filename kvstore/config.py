@@ -43,6 +43,9 @@ class StoreConfig:
         remote_breaker_reset_s: seconds the open breaker waits before a probe (doubles after
             each failed probe, up to 30 s).
         pin_host_memory: page-lock memory-tier buffers when CUDA is available.
+        host_arena: carve memory-tier records out of large segments of host memory
+            (kvstore/tiers/arena.py): None (the default) where CUDA is, page-locked once per
+            segment; True also on the CPU (unpinned: the tests run the GPU's memory layout there).
         score_half_life_reports: reported query scores halve in weight after this many reports.
         memory_policy: what leaves memory first: "score" (lowest access frequency x importance
             mass) or "lru".
@@ -73,6 +76,7 @@ class StoreConfig:
     remote_breaker_failures: int = 3
     remote_breaker_reset_s: float = 1.0
     pin_host_memory: bool = True
+    host_arena: bool | None = None
     score_half_life_reports: float = 64.0
     memory_policy: str = "score"
     layout: str = "layered"

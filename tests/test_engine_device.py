@@ -185,11 +185,23 @@ def test_generate_raises_no_future_warning(lm: Any, store: TieredStore) -> None:
     assert first.stored_blocks > 0 and second.loaded_tokens > 0
 
 
+@pytest.fixture(scope="module")
+def importance_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TieredStore]:
+    """A store of the importance layout: its full loads are gathered, then staged (not packs)."""
+    data = tmp_path_factory.mktemp("importance") / "data"
+    with TieredStore(StoreConfig(data_dir=data, block_tokens=32, chunk_tokens=8, layout="importance")) as s:
+        yield s
+
+
 @pytest.mark.model
-def test_staged_path_answers_as_the_plain_one_and_reuses_its_buffers(lm: Any, store: TieredStore) -> None:
+def test_staged_path_answers_as_the_plain_one_and_reuses_its_buffers(
+    lm: Any, importance_store: TieredStore
+) -> None:
     from engine_adapter.runner.engine import Engine
 
+    store = importance_store
     sampling = Sampling(max_tokens=6)
+    Engine(lm, store).generate(_prompt(), Sampling(max_tokens=1))  # the prefix is stored
     plain = Engine(lm, store).generate(_prompt(), sampling)
     transfer = KVTransfer(torch.device("cpu"), staging=True)
     staged = Engine(lm, store, transfer=transfer)
@@ -199,13 +211,29 @@ def test_staged_path_answers_as_the_plain_one_and_reuses_its_buffers(lm: Any, st
     assert plain.loaded_tokens > 0 and first.loaded_tokens == plain.loaded_tokens
     assert first.token_ids == again.token_ids == plain.token_ids
     assert warm > 0 and transfer.copier.pool.allocations == warm  # nothing allocated after warm-up
-    assert transfer.last_error == ""
+    assert transfer.last_error == "" and transfer.last_counts is None  # not a load of packs
 
 
 @pytest.mark.model
-def test_a_failed_copy_recomputes_the_prompt(lm: Any, store: TieredStore) -> None:
+def test_a_full_load_of_packs_goes_to_the_device_with_no_staging(lm: Any, store: TieredStore) -> None:
     from engine_adapter.runner.engine import Engine
 
+    sampling = Sampling(max_tokens=6)
+    Engine(lm, store).generate(_prompt(), Sampling(max_tokens=1))  # the prefix is stored
+    plain = Engine(lm, store).generate(_prompt(), sampling)
+    transfer = KVTransfer(torch.device("cpu"), staging=True)
+    staged = Engine(lm, store, transfer=transfer).generate(_prompt(), sampling)
+    assert plain.loaded_tokens > 0 and staged.loaded_tokens == plain.loaded_tokens
+    assert staged.token_ids == plain.token_ids and transfer.last_error == ""
+    assert transfer.last_counts is not None and transfer.last_counts.staged_bytes == 0
+    assert transfer.copier.pool.allocations == 0  # no staging buffer was ever needed
+
+
+@pytest.mark.model
+def test_a_failed_copy_recomputes_the_prompt(lm: Any, importance_store: TieredStore) -> None:
+    from engine_adapter.runner.engine import Engine
+
+    store = importance_store
     sampling = Sampling(max_tokens=6)
     reference = Engine(lm, None).generate(_prompt(), sampling)
     Engine(lm, store).generate(_prompt(), Sampling(max_tokens=1))  # the prefix is stored
@@ -216,6 +244,29 @@ def test_a_failed_copy_recomputes_the_prompt(lm: Any, store: TieredStore) -> Non
     assert "does not fit the pool's limit" in transfer.last_error
     assert result.loaded_tokens == 0 and result.computed_tokens == result.prompt_tokens
     assert result.token_ids == reference.token_ids
+
+
+@pytest.mark.model
+def test_a_device_copy_that_fails_mid_load_recomputes_the_prompt(
+    lm: Any, store: TieredStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.upload import PackUpload
+
+    sampling = Sampling(max_tokens=6)
+    reference = Engine(lm, None).generate(_prompt(), sampling)
+    Engine(lm, store).generate(_prompt(), Sampling(max_tokens=1))  # the prefix is stored
+    calls = []
+
+    def failing(self: PackUpload, first: int, end: int) -> None:  # what a CUDA error looks like
+        calls.append(first)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(PackUpload, "_copy_group", failing)
+    transfer = KVTransfer(torch.device("cpu"), staging=True)
+    result = Engine(lm, store, transfer=transfer).generate(_prompt(), sampling)
+    assert calls and "illegal memory access" in transfer.last_error
+    assert result.loaded_tokens == 0 and result.token_ids == reference.token_ids
 
 
 # -- the repetition guard --------------------------------------------------------------

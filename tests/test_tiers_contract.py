@@ -16,6 +16,7 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import ChunkId, encode_chunk
 from kvstore.keys import ROOT_KEY, block_key
 from kvstore.tiers import create_tier
+from kvstore.tiers.arena import HostArena
 from kvstore.tiers.base import Tier
 
 FP, NS = b"f" * 16, b"n" * 16
@@ -40,10 +41,14 @@ def make_block(
     return meta, chunks
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis", "redis-cluster"])
+@pytest.fixture(params=["memory", "memory-arena", "lmdb", "redis", "redis-cluster"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     if request.param == "memory":
         t = create_tier("memory", capacity_bytes=1 << 20)
+    elif request.param == "memory-arena":  # records carved from segments (pinned where CUDA is)
+        t = create_tier(
+            "memory", capacity_bytes=1 << 20, arena=HostArena(2 << 20, pin=False, segment_bytes=1 << 16)
+        )
     elif request.param == "lmdb":
         t = create_tier("lmdb", path=tmp_path / "lmdb")
     elif request.param == "redis":

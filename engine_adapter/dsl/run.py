@@ -93,7 +93,7 @@ class ProgramRun:
         self._eos = engine.lm.eos_token_ids
         # The KV of every decoding branch, one row each (keyed by id(branch)), kept
         # between steps: a branch enters when its answer starts and leaves when it ends.
-        self.batch = BatchCache(engine.lm.model.config)
+        self.batch = BatchCache(engine.lm.model.config, engine.lm.dtype)
 
     # -- the scheduler ------------------------------------------------------------
 

@@ -37,9 +37,9 @@ class ArrayLayers:
     """
 
     def __init__(self, kv: Array, chunk_tokens: int = CHUNK_TOKENS, block_tokens: int = BLOCK_TOKENS) -> None:
-        if kv.ndim != 5 or kv.shape[1] != 2 or kv.dtype != np.float16:
+        if kv.ndim != 5 or kv.shape[1] != 2 or kv.dtype.name not in ("float16", "bfloat16"):
             raise InvalidInputError(
-                f"kv must be fp16 (layers, 2, heads, tokens, dim), got {kv.dtype} {kv.shape}"
+                f"kv must be fp16 or bf16 (layers, 2, heads, tokens, dim), got {kv.dtype} {kv.shape}"
             )
         self.kv = kv
         self.num_layers, _, self._heads, self.matched_tokens, self._dim = (int(x) for x in kv.shape)

@@ -15,15 +15,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine_adapter.runner.upload import CopyCounts, PackUpload
 from kvstore.errors import InvalidInputError
 from kvstore.load.buffers import StagingError, StagingPool
-from kvstore.load.device import DeviceCopier, PendingDownload
+from kvstore.load.device import DeviceCopier, PendingDownload, as_tensor
+from kvstore.load.read_packed import PackView
 
 Array = np.ndarray[Any, Any]
 DEVICES = ("cpu", "cuda", "auto")
@@ -143,6 +145,8 @@ class KVTransfer:
         self._pool = pool
         #: Why the last load's copy to the device failed ("" if it did not): it was recomputed.
         self.last_error = ""
+        #: What the last `upload_views` copied (the tests and `kvsieve bench gpu` read it).
+        self.last_counts: CopyCounts | None = None
 
     @functools.cached_property
     def copier(self) -> DeviceCopier:
@@ -161,6 +165,19 @@ class KVTransfer:
         `owner` (what `kv`'s memory belongs to) is exited once every layer is staged.
         """
         return LayerUpload(self.copier, kv, order, dtype, owner)
+
+    def upload_views(
+        self,
+        views: Sequence[PackView],
+        num_layers: int,
+        dtype: torch.dtype,
+        owner: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> PackUpload:
+        """Start moving a full load of packed blocks to the device from where the store holds them
+        (engine_adapter/runner/upload.py); `owner` is exited once every copy is made."""
+        upload = PackUpload(self.copier, views, num_layers, dtype, owner)
+        self.last_counts = upload.counts
+        return upload
 
     def download(self, kv: torch.Tensor) -> PendingDownload:
         """Start copying `kv` to the host (a pooled buffer); `.result()` waits for it."""
@@ -182,7 +199,7 @@ def copy_into_cache(layer: Any, kv: Array) -> None:
     if keys.device.type == "cpu":
         with warnings.catch_warnings():  # torch warns about read-only arrays; the source is only read
             warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(np.asarray(kv))
+            source = as_tensor(np.asarray(kv))
         keys.copy_(source[0])  # fp16 -> the model's dtype, in place: the mask stays valid
         values.copy_(source[1])
         return

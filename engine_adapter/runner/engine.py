@@ -37,6 +37,7 @@ from engine_adapter.runner.sampling import Sampling
 from engine_adapter.runner.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
+from kvstore.load.device import as_array, torch_dtype
 
 Messages = Sequence[dict[str, str]]
 
@@ -144,14 +145,14 @@ class Engine:
 
     @torch.inference_mode()
     def analyze(self, ids: Sequence[int]) -> tuple[np.ndarray[Any, Any], AttentionStats]:
-        """Compute a prefix from scratch: its KV (fp16, layer-major) and attention statistics."""
+        """Compute a prefix from scratch: its KV (the spec's dtype, layer-major) and attention statistics."""
         from transformers import DynamicCache
 
         stats = AttentionStats(0, self.lm.spec.num_layers)
         cache = DynamicCache(config=self.lm.model.config)
         forward(self.lm, ids, 0, cache, stats)
         kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
-        return kv.to(torch.float16).cpu().numpy(), stats
+        return as_array(kv.to(torch_dtype(self.lm.spec.np_dtype)).cpu()), stats
 
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], start: int, cache: Any, last_only: bool = False) -> torch.Tensor:

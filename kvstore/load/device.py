@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.load.buffers import StagingError, StagingPool
+from kvstore.model import numpy_dtype
 from kvstore.tiers.pinned import cuda_available
 
 Array = np.ndarray[Any, Any]
@@ -33,10 +34,8 @@ def to_device(kv: Array, device: str = "cuda") -> Any:
     import torch
 
     if device == "cpu" or not cuda_available():
-        return torch.from_numpy(np.array(kv))  # owns its data: the arena may be reused
-    host = (
-        torch.from_numpy(np.ascontiguousarray(kv)) if kv.flags.writeable else torch.from_numpy(np.array(kv))
-    )
+        return as_tensor(np.array(kv))  # owns its data: the arena may be reused
+    host = as_tensor(np.ascontiguousarray(kv)) if kv.flags.writeable else as_tensor(np.array(kv))
     staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
     staging.copy_(host)
     return staging.to(device, non_blocking=True)
@@ -56,7 +55,7 @@ class PendingDownload:
         """The tensor's values as a host array the caller owns (waits for the copy)."""
         if self.event is not None:
             self.event.synchronize()
-        array = np.array(self.staged.numpy())  # the buffer goes back to the pool: copy out of it
+        array = np.array(as_array(self.staged))  # the buffer goes back to the pool: copy out of it
         self.pool.give(self.buffer)
         self.source = None
         return array
@@ -108,11 +107,11 @@ class DeviceCopier:
         import torch
 
         buffer = self.pool.take(source.nbytes)
-        staged = buffer[: source.nbytes].view(_torch_dtype(source.dtype)).view(source.shape)
+        staged = buffer[: source.nbytes].view(torch_dtype(source.dtype)).view(source.shape)
         if order is None:
-            np.copyto(staged.numpy(), source)
+            np.copyto(as_array(staged), source)
         else:
-            np.take(source, order, axis=-2, out=staged.numpy())
+            np.take(source, order, axis=-2, out=as_array(staged))
         if self.stream is None:
             target.copy_(staged)
             self.pool.give(buffer)
@@ -157,7 +156,29 @@ class DeviceCopier:
         return PendingDownload(staged, buffer, event, self.pool, source)
 
 
-def _torch_dtype(dtype: np.dtype[Any]) -> Any:
+def torch_dtype(dtype: np.dtype[Any]) -> Any:
+    """The torch dtype of a numpy dtype (bfloat16, which numpy lacks, from ml_dtypes' by name)."""
     import torch
 
+    if dtype.name == "bfloat16":
+        return torch.bfloat16
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def as_tensor(array: Array) -> Any:
+    """A CPU tensor sharing `array`'s memory (bfloat16 through an int16 view: torch cannot read
+    ml_dtypes' bfloat16 arrays, and numpy has none of its own)."""
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def as_array(tensor: Any) -> Array:
+    """A numpy array sharing a CPU tensor's memory (bfloat16 as ml_dtypes' bfloat16)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return tensor.numpy()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -139,9 +140,9 @@ class RecordFetcher:
                 self._packs.pop(pack, None)
 
     def refuse_remote(self, tier: Tier, meta: BlockMeta, exc: ChecksumError) -> bool:
-        """A record of `tier` failed its checks with `exc`. If `tier` is the shared remote tier,
-        the value is a miss: counted (`geometry_mismatches` too for a GeometryError) and the
-        block deleted there. Returns whether it was (else the caller raises `exc`)."""
+        """A record of `tier` failed its checks with `exc`. If `tier` is the shared remote tier, the value
+        is a miss: counted (`geometry_mismatches` too for a GeometryError), the block deleted there.
+        Returns whether it was (else the caller raises `exc`)."""
         remote = self.tiers.remote
         if remote is None or tier is not remote.tier:
             return False
@@ -178,13 +179,10 @@ class RecordFetcher:
             for index, data in zip(missing, self._get(tier, meta, missing), strict=True):
                 if data is not None and self._remote_ok(tier, meta, index, data, model):
                     found[index] = Fetched(data, tier.name, False)
-        tally: dict[str, int] = {}
+        tally: Counter[str] = Counter()
         for fetched in found.values():
-            for name, value in (
-                (f"chunk_hits.{fetched.tier}", 1),
-                (f"bytes_read.{fetched.tier}", len(fetched.data)),
-            ):
-                tally[name] = tally.get(name, 0) + value
+            tally[f"chunk_hits.{fetched.tier}"] += 1
+            tally[f"bytes_read.{fetched.tier}"] += len(fetched.data)
         self._counters.add_many(tally)
         if len(found) < len(indices):
             return None
@@ -242,16 +240,13 @@ class RecordFetcher:
             ChecksumError: a local pack's table fails its checks (GeometryError: another layer count).
         """
         memory, pack = self.tiers.memory, meta.pack_index
-        held = memory.get_chunks(meta, [pack])[0]
+        held = self._memory_pack(meta)
         if held is not None:
             self._index.touch_memory(meta, [pack])
-            table = self._table(memory, meta, held)
-            if table is not None:
-                self._counters.add_many(
-                    {f"chunk_hits.{memory.name}": 1, f"bytes_read.{memory.name}": len(held)}
-                )
-                parts = [held[a:b] for a, b in map(table.span, range(meta.num_layers))]
-                return WholePack(held, parts, table.offsets, memory.name, True)
+            self._counters.add_many(
+                {f"chunk_hits.{memory.name}": 1, f"bytes_read.{memory.name}": len(held.data)}
+            )
+            return held
         for tier in self.tiers.durable:
             data = self._get(tier, meta, [pack])[0]
             if data is None:
@@ -270,6 +265,21 @@ class RecordFetcher:
             self._counters.add_many({f"chunk_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
             return WholePack(data, parts, table.offsets, tier.name, False)
         return None
+
+    def held_pack(self, meta: BlockMeta) -> WholePack | None:
+        """The pack memory holds of a packed block, if all its headers were verified together before
+        (`keep_pack`), as a `WholePack` of memory's own bytes; else None."""
+        return self._memory_pack(meta) if self.known_pack(meta) is not None else None
+
+    def _memory_pack(self, meta: BlockMeta) -> WholePack | None:
+        """The pack memory holds of `meta` with its verified table, or None (nothing is counted)."""
+        memory = self.tiers.memory
+        held = memory.get_chunks(meta, [meta.pack_index])[0]
+        table = None if held is None else self._table(memory, meta, held)
+        if held is None or table is None:
+            return None
+        parts = [held[a:b] for a, b in map(table.span, range(meta.num_layers))]
+        return WholePack(held, parts, table.offsets, memory.name, True)
 
     def promote_pack(
         self, meta: BlockMeta, pack: WholePack, headers: Sequence[LayerHeader], chunks: Sequence[Array]

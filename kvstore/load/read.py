@@ -23,7 +23,7 @@ from kvstore.load.assemble import Destination
 from kvstore.load.fetch import RecordFetcher
 from kvstore.load.plan import LoadPlan
 from kvstore.load.read_layered import load_units, reads_whole
-from kvstore.load.read_packed import load_pack_units
+from kvstore.load.read_packed import PackView, load_pack_units, pack_view
 from kvstore.load.stream import BlockStream
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
@@ -59,7 +59,33 @@ class BlockReader:
         drops it), and ends the iteration. The caller may lend the stream a `Destination`."""
         stream = BlockStream()
         stream.blocks = self._read_blocks(plan, model, stream)
+        whole = zip(plan.blocks, plan.chunks, strict=True)
+        if plan.blocks and all(_whole_pack_planned(meta, units) for meta, units in whole):
+            stream.views = lambda: self._read_views(plan, model)
         return stream
+
+    def _read_views(self, plan: LoadPlan, model: ModelSpec) -> Iterator[PackView | None]:
+        """`read_blocks` of a plan of whole packed blocks, each as a `PackView` (no copy of what
+        memory holds; the promotion's copy of what a slower tier held): a lost, corrupt or
+        mismatched block yields None, is forgotten and ends it, as there."""
+        prefetch = _Prefetch(self.tiers.local_durable, plan)
+        for block_index, meta in enumerate(plan.blocks):
+            if not self.layer_records.all_in_memory(meta, []):
+                prefetch.start(block_index)
+            try:
+                view = pack_view(self.layer_records, meta, block_index, model)
+                failure = "chunk_misses" if view is None else ""
+            except GeometryError:
+                view, failure = None, "geometry_mismatches"
+            except ChecksumError:
+                view, failure = None, "checksum_failures"
+            if view is None:
+                self._counters.add(failure)
+                self.layer_records.forget(meta.key)
+                self._index.forget(meta.key)
+                yield None
+                return
+            yield view
 
     def _read_blocks(
         self, plan: LoadPlan, model: ModelSpec, stream: BlockStream
@@ -166,6 +192,11 @@ class BlockReader:
             raw = encode_chunk(meta.chunk_id(index), chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw")
             data = memoryview(raw)
         self._index.promote(meta, index, data)
+
+
+def _whole_pack_planned(meta: BlockMeta, units: list[int]) -> bool:
+    """Whether a plan reads every chunk of a packed block, in order (a full load of it)."""
+    return meta.is_packed and units == list(range(meta.chunks_per_layer))
 
 
 class _Prefetch:

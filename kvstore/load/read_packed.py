@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +72,81 @@ def load_pack_units(
     else:
         beside = len(pack.data) - int(lengths[:, chosen].sum())
     return loaded_units(meta, block_index, order, out, into is out, lengths, beside, pack.tier, runs=True)
+
+
+class PackView(NamedTuple):
+    """A packed block's KV where it lies, for a copy to a device without a host copy first.
+
+    Layer L's chunks, (chunks, 2, kv_heads, chunk_tokens, head_dim) in prompt order, are the
+    `layer_bytes` bytes of `data` from `first + L * layer_stride`: one contiguous run per layer,
+    and the runs of consecutive layers lie in one span of `data` (the layer headers between them).
+    `data` is the memory tier's own record when the tier holds the pack (page-locked where CUDA
+    is), else the bytes read from a slower tier; it stays valid while the view is held.
+    """
+
+    block_index: int
+    positions: Array  # (chunks * chunk_tokens,) int64, ascending
+    data: memoryview
+    first: int
+    layer_stride: int
+    layer_bytes: int
+    chunk_shape: tuple[int, int, int, int]  # (2, kv_heads, chunk_tokens, head_dim)
+    dtype: np.dtype[Any]
+    tier: str
+    nbytes: int  # encoded bytes read from `tier` (the pack's)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks per layer."""
+        return self.layer_bytes // (int(np.prod(self.chunk_shape)) * self.dtype.itemsize)
+
+    def layer_span(self, first_layer: int, end_layer: int) -> tuple[int, int]:
+        """(start, end) in `data` of the bytes that hold layers [first_layer, end_layer)."""
+        start = self.first + first_layer * self.layer_stride
+        return start, self.first + (end_layer - 1) * self.layer_stride + self.layer_bytes
+
+
+def pack_view(fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: ModelSpec) -> PackView | None:
+    """The whole pack of a packed block as a `PackView` (every chunk of every layer), verified and
+    promoted to memory as `load_pack_units` does; None if no tier holds it. Viewed from memory once
+    promoted: the one copy of a pack read from a slower tier is the promotion's, into the tier's
+    own (page-locked) memory, from which the device copy is made. Records that are not raw ones of
+    one size (compressed ones memory could not take) are decoded into one array instead.
+
+    Raises:
+        ChecksumError: as `load_pack_units`.
+    """
+    pack = fetcher.whole_pack(meta, model)
+    if pack is None:
+        return None
+    headers, layers = _verified_layers(fetcher, meta, pack, model)
+    fetcher.promote_pack(meta, pack, headers, layers)
+    read = (pack.tier, len(pack.data))
+    if not pack.trusted and (held := fetcher.held_pack(meta)) is not None:
+        pack, headers, layers = held, fetcher.known_pack(meta) or headers, []
+    positions = meta.start + np.arange(meta.chunks_per_layer * meta.chunk_tokens, dtype=np.int64)
+    first = headers[0]
+    if not layers and _stacked(pack, headers) is not None:
+        stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
+        return PackView(
+            block_index, positions, pack.data, pack.offsets[0] + first.size, stride,
+            first.total_bytes - first.size, first.chunk_shape(), first.dtype, *read,
+        )  # fmt: skip
+    # compressed records memory could not take, or raw ones of several sizes: one array of them
+    joined = np.stack(layers) if layers else np.stack(_decoded(meta, pack, headers, model))
+    return PackView(
+        block_index, positions, memoryview(joined.reshape(-1).view(np.uint8).data), 0, joined[0].nbytes,
+        joined[0].nbytes, first.chunk_shape(), first.dtype, *read,
+    )  # fmt: skip
+
+
+def _decoded(meta: BlockMeta, pack: WholePack, headers: list[LayerHeader], model: ModelSpec) -> list[Array]:
+    """Every layer's chunks of a pack whose headers were verified together (raw records)."""
+    return [
+        decode_layer_record(part, meta.chunk_id(meta.record_index(layer, 0)), True, header,
+                            layer_geometry(meta, layer, model))[1]
+        for layer, (part, header) in enumerate(zip(pack.parts, headers, strict=True))
+    ]  # fmt: skip
 
 
 def _verified_layers(

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from kvstore.load.assemble import Destination, place_chunks
+from kvstore.load.read_packed import PackView
 from kvstore.model import ModelSpec
 from kvstore.values import Array, LoadedChunk
 
@@ -23,6 +24,9 @@ class BlockStream(Iterator[list[LoadedChunk] | None]):
     def __init__(self) -> None:
         self.blocks: Iterator[list[LoadedChunk] | None] = iter(())
         self.destination: Destination | None = None
+        #: Where every planned block is a whole pack: the blocks as `PackView`s instead (a block
+        #: lost: None, which ends them), read in place of `blocks` (`LocalLoadStream.pack_views`).
+        self.views: Callable[[], Iterator[PackView | None]] | None = None
 
     def __next__(self) -> list[LoadedChunk] | None:
         return next(self.blocks)
@@ -129,6 +133,30 @@ class LocalLoadStream:
         if num_tokens < destination.out.shape[3]:  # a lost block ended the stream early
             kv = np.ascontiguousarray(kv)
         return placed.positions, kv
+
+    def pack_views(self) -> Iterator[PackView] | None:
+        """The rest of the stream as `PackView`s, block by block as they are read, where every
+        planned block is a whole pack and nothing was read yet; else None (use `gather`). Views of
+        the memory tier's own bytes: a copy to a device from them is the only copy. A lost block
+        ends them (`num_tokens` then says where), as it ends the chunks."""
+        if self._pending or self._blocks_read or not isinstance(self._blocks, BlockStream):
+            return None
+        if self._blocks.views is None or self._on_finish is None:
+            return None
+        return self._views(self._blocks.views())
+
+    def _views(self, views: Iterator[PackView | None]) -> Iterator[PackView]:
+        for view in views:
+            if self._on_finish is None:  # closed meanwhile
+                return
+            if view is None:
+                self._finish(lost_block=True)
+                return
+            self._blocks_read += 1
+            self.bytes_read += view.nbytes
+            self.delivered_tokens += len(view.positions)
+            yield view
+        self._finish(lost_block=False)
 
     def close(self) -> None:
         """Stop reading; the chunks already read stay valid. Idempotent."""

@@ -40,9 +40,11 @@ from kvstore.model import ModelSpec
 from kvstore.stats import Counters, StoreStats
 from kvstore.store.write import BlockWriter
 from kvstore.tiers import create_tier
+from kvstore.tiers.arena import HostArena
 from kvstore.tiers.base import Tier
 from kvstore.tiers.disk.lock import DataDirLock
-from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.memory import MemoryTier, arena_bytes
+from kvstore.tiers.pinned import cuda_available
 from kvstore.tiers.stack import TierStack
 from kvstore.values import DEFAULT_NAMESPACE, Array, LookupResult, StoreResult, validate_kv
 from radix import MatchResult, RadixTree
@@ -75,7 +77,12 @@ class TieredStore:
             local.append(
                 create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
             )
-        memory = MemoryTier(self.config.memory_bytes, pin_host_memory=self.config.pin_host_memory)
+        memory = MemoryTier(
+            self.config.memory_bytes,
+            self.config.pin_host_memory,
+            self._arena(),
+            self.config.host_arena is not False,
+        )
         self.remote_link: RemoteLink | None = None
         if self.config.has_remote:
             from kvstore.tiers.remote.link import open_link  # imports redis only when a remote tier is used
@@ -280,6 +287,13 @@ class TieredStore:
         self.close()
 
     # -- internals ----------------------------------------------------------------
+
+    def _arena(self) -> HostArena | None:
+        """The memory tier's arena where `host_arena` asks for one off CUDA (the tier makes its own
+        page-locked one where CUDA is)."""
+        if not self.config.host_arena or cuda_available():
+            return None
+        return HostArena(arena_bytes(self.config.memory_bytes), pin=False)
 
     def _match(self, root: Root, toks: Array) -> MatchResult:
         """Match locally; where the local tree ends, learn blocks other sidecars put remotely."""

@@ -5,7 +5,9 @@ fit fails (`TierFullError`, or False for one chunk); the store's index
 (kvstore/index/store_index.py) decides what leaves memory and calls `delete_chunk` or
 `delete_block`, so no block the index lists can lose a chunk behind its back.
 A block may be held partly (chunks promoted one by one, or evicted one by one).
-Buffers are page-locked when CUDA is available.
+Where CUDA is available records are copied into a page-locked `HostArena` (kvstore/tiers/arena.py),
+so that loads copy them to the GPU by DMA from where they lie; page-locking is done a segment at a
+time, not per record.
 """
 
 from __future__ import annotations
@@ -19,22 +21,41 @@ import numpy as np
 from kvstore.errors import TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
+from kvstore.tiers.arena import HostArena
 from kvstore.tiers.base import Span
-from kvstore.tiers.pinned import host_buffer
+from kvstore.tiers.pinned import cuda_available, host_buffer
 
 ChunkRef = tuple[bytes, int]  # (block key, chunk index)
 
 
 class MemoryTier:
-    """Chunks in RAM; see module docstring. Thread-safe."""
+    """Chunks in RAM; see module docstring. Thread-safe.
+
+    Args:
+        capacity_bytes: the byte budget.
+        pin_host_memory: page-lock records where CUDA is.
+        arena: where records are copied (default: a page-locked arena where CUDA is and
+            `auto_arena`; else records are kept as given).
+        auto_arena: make that page-locked arena where CUDA is (False: pin record by record).
+    """
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, pin_host_memory: bool = True) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        pin_host_memory: bool = True,
+        arena: HostArena | None = None,
+        auto_arena: bool = True,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self._capacity = capacity_bytes
         self._pin_host = pin_host_memory
+        if arena is None and auto_arena and pin_host_memory and capacity_bytes and cuda_available():
+            arena = HostArena(arena_bytes(capacity_bytes), pin=True)
+        #: Where records are copied (None: kept as given, or pinned one by one where no arena fits).
+        self.arena = arena
         self._chunks: dict[ChunkRef, np.ndarray[Any, Any]] = {}
         self._metas: dict[bytes, BlockMeta] = {}
         self._chunk_count: dict[bytes, int] = {}
@@ -170,7 +191,8 @@ class MemoryTier:
         )
 
     def _insert_locked(self, meta: BlockMeta, index: int, data: bytes | memoryview) -> None:
-        self._chunks[(meta.key, index)] = host_buffer(data, self._pin_host)
+        held = None if self.arena is None else self.arena.copy_in(data)
+        self._chunks[(meta.key, index)] = held if held is not None else host_buffer(data, self._pin_host)
         self._used += len(data)
         self._chunk_count[meta.key] = self._chunk_count.get(meta.key, 0) + 1
 
@@ -194,3 +216,9 @@ class MemoryTier:
         freed = sum(self._remove_chunk_locked((key, i)) for i in range(meta.num_chunks))
         self._chunk_count.pop(key, None)
         return freed
+
+
+def arena_bytes(capacity_bytes: int) -> int:
+    """The arena for a tier of `capacity_bytes`: a little more, since an evicted record's range is
+    reused only once no load holds a view of it any more."""
+    return capacity_bytes + max(256 << 20, capacity_bytes // 8)

@@ -77,7 +77,10 @@ PEER_KEYS = {
     "gpu": (
         "cuda_unavailable",
         "h2d_gb_s h2d_vs_pinned_floor overlap_hidden_fraction ttft_gpu_recompute_s_1024 "
-        "ttft_gpu_load_s_1024 ttft_gpu_recompute_s_smol_1024 ttft_gpu_load_s_smol_1024",
+        "ttft_gpu_load_s_1024 ttft_gpu_recompute_s_smol_1024 ttft_gpu_load_s_smol_1024 "
+        "h2d_staged_vs_pinned_floor h2d_tier_gb_s e2e_recompute_s_1024 e2e_full_warm_vs_recompute_1024 "
+        "e2e_full_cold_vs_recompute_1024 e2e_cold_read_vs_disk_1024 e2e_qa25_cold_vs_full_1024 "
+        "e2e_qa25_warm_vs_full_1024 e2e_store_vs_prefill_1024 e2e_full_warm_vs_recompute_smol_1024",
     ),
     "sglang": (
         "sglang_unavailable",

@@ -109,7 +109,7 @@ def prefill_static(
         stats = AttentionStats(loaded, lm.spec.num_layers) if engine.collect_stats else None
         t0 = time.perf_counter()
         with upload.attached(lm.model) if upload is not None else contextlib.nullcontext():
-            logits = forward(lm, ids[matched:], matched, cache, stats)
+            logits = forward(lm, ids[matched:], matched, cache, stats, last_only=True)
     except StagingError as exc:
         if not reuse:
             raise

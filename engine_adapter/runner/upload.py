@@ -95,6 +95,9 @@ class PackUpload:
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
             self.close()
             raise StagingError(f"no room on {copier.device} for the loaded prefix: {exc}") from exc
+        if copier.stream is not None:  # written there: never handed out again before those copies end
+            for target in self._targets:
+                target.record_stream(copier.stream)
         self.pairs = [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in self._targets]
         group = layers_per_copy(self.views[0], num_layers)
         self._groups = [(a, min(a + group, num_layers)) for a in range(0, num_layers, group)]

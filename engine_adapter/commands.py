@@ -181,6 +181,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             topup=None if args.no_topup else parameter_default(Engine, "topup"),
         )  # fmt: skip
         result = engine.generate(messages, sampling, budget=budget)
+        engine.flush_stores()  # a device's stores run behind the answer: made before the store closes
     finally:
         if store is not None:
             store.close()
@@ -260,6 +261,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for event in run_program(engine, source, values, limits=limits, keep=args.keep):
             print_event(event, args.json)
             exit_code = 1 if event.kind == "error" else exit_code
+        engine.flush_stores()
     except (ValueError, FileNotFoundError, KVSieveError):
         raise  # main prints these (exit 2)
     except Exception as exc:  # one line, never a traceback (a broken model or store directory)
@@ -288,8 +290,9 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     store = _open_store(args)
     try:
-        lm = load_model(args.model, device=device, dtype=args.dtype)
-        asyncio.run(serve_engine(Engine(lm, store), config))
+        engine = Engine(load_model(args.model, device=device, dtype=args.dtype), store)
+        asyncio.run(serve_engine(engine, config))
+        engine.flush_stores()
     finally:
         if store is not None:
             store.close()

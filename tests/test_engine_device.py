@@ -335,11 +335,30 @@ def test_gpu_greedy_answer_equals_the_cpus_with_the_prefix_loaded(
     sampling = Sampling(max_tokens=16)
     Engine(lm, store).generate(_prompt(), Sampling(max_tokens=1))  # the prefix is stored
     on_cpu = Engine(lm, store).generate(_prompt(), sampling)
-    on_gpu_engine = Engine(load_model(quiet=True, device="cuda"), store)
+    on_gpu_engine = Engine(load_model(quiet=True, device="cuda", dtype="float32"), store)
     on_gpu = on_gpu_engine.generate(_prompt(), sampling)
     assert on_cpu.loaded_tokens > 0 and on_gpu.loaded_tokens == on_cpu.loaded_tokens
     assert on_gpu.token_ids == on_cpu.token_ids
     assert on_gpu_engine.transfer.staged and on_gpu_engine.transfer.last_error == ""
+    counts = on_gpu_engine.transfer.last_counts  # a full load of packs from the pinned memory tier
+    assert counts is not None and counts.staged_bytes == 0 and counts.device_copies > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_half_precision_loads_the_prefix_and_stores_behind_the_answer(tmp_path: Path) -> None:
+    from engine_adapter.runner.engine import Engine
+    from engine_adapter.runner.model import load_model
+
+    config = StoreConfig(data_dir=tmp_path / "half", block_tokens=32, chunk_tokens=8)
+    with TieredStore(config) as half_store:
+        engine = Engine(load_model(quiet=True, device="cuda", dtype="bfloat16"), half_store)
+        first = engine.generate(_prompt(), Sampling(max_tokens=4))
+        assert engine.saver is not None and engine.flush_stores(timeout_s=120)
+        assert first.stored_blocks > 0 and engine.saver.stats.blocks == first.stored_blocks
+        second = engine.generate(_prompt(), Sampling(max_tokens=4))
+        assert second.loaded_tokens > 0 and engine.transfer.last_error == ""
+        assert engine.lm.spec.dtype == "bfloat16"
 
 
 @pytest.mark.gpu

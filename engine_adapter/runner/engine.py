@@ -34,6 +34,7 @@ from engine_adapter.runner.layered import CHOOSE_WITH_LAST, LayeredReport, check
 from engine_adapter.runner.model import LoadedModel
 from engine_adapter.runner.prefill import Prefill, Timings, forward, prefill_layered, prefill_static
 from engine_adapter.runner.sampling import Sampling
+from engine_adapter.runner.saver import BackgroundSaver
 from engine_adapter.runner.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
@@ -73,6 +74,10 @@ class Engine:
             the model's device: staged async copies on CUDA, today's conversion on CPU).
         topup: after a layer-by-layer prefill, fetch the chunks each decode token needs
             (engine_adapter/runner/topup.py); None = off.
+        background_stores: store new blocks on a thread of the engine's own (`saver`), so that
+            no request waits for a store (`flush_stores` waits); None = where the model computes
+            on a device (on the CPU the store competes for the same cores: it is made in line).
+            A request's `stored_blocks` then counts the blocks it queued.
     """
 
     def __init__(
@@ -84,9 +89,13 @@ class Engine:
         choose_with_last: int | None = CHOOSE_WITH_LAST,
         transfer: KVTransfer | None = None,
         topup: TopUpSettings | None = TopUpSettings(),  # noqa: B008 (frozen: one shared default is safe)
+        background_stores: bool | None = None,
     ) -> None:
         self.lm = lm
         self.transfer = transfer if transfer is not None else KVTransfer(lm.device)
+        background = self.transfer.staged if background_stores is None else background_stores
+        #: Where new blocks are stored off the request (None: in line, after the answer).
+        self.saver = BackgroundSaver() if background and store is not None else None
         self.store = store
         self.namespace = namespace
         self.collect_stats = collect_stats
@@ -139,9 +148,24 @@ class Engine:
         return prefill_static(self, ids, budget, timings)
 
     def finish_store(self, state: Prefill) -> None:
-        """Complete `state`'s pending store (waits for its copy off the device), if any."""
-        if state.pending_store is not None:
-            state.stored_blocks, state.pending_store = state.pending_store(), None
+        """Complete `state`'s pending store, if any: queued on the saver (its blocks counted as
+        queued), or made here (waiting for its copy off the device)."""
+        pending, state.pending_store = state.pending_store, None
+        if pending is None:
+            return
+        if self.saver is None:
+            state.stored_blocks = pending()
+            return
+        block = self.store.info.block_tokens if self.store is not None else None
+        new_tokens = state.next_position - state.matched_tokens
+        queued = self.saver.submit(new_tokens * self.lm.spec.token_bytes, pending)
+        state.stored_blocks = (
+            (state.next_position // block - state.matched_tokens // block) if (queued and block) else 0
+        )
+
+    def flush_stores(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued store is made (a no-op without a saver); False on timeout."""
+        return True if self.saver is None else self.saver.flush(timeout_s)
 
     @torch.inference_mode()
     def analyze(self, ids: Sequence[int]) -> tuple[np.ndarray[Any, Any], AttentionStats]:

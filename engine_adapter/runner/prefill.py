@@ -29,6 +29,7 @@ from engine_adapter.runner.device import KVTransfer, LayerUpload
 from engine_adapter.runner.layered import LayeredReport, layered_prefill
 from engine_adapter.runner.layered_policy import plan_layered
 from engine_adapter.runner.model import LoadedModel
+from engine_adapter.runner.saver import piece_ranges
 from engine_adapter.runner.topup import DecodeTopUp, TopUpSettings
 from engine_adapter.runner.upload import PackUpload
 from kvstore.api import LoadStream, PrefixStore
@@ -261,41 +262,55 @@ def store_new(
 ) -> Callable[[], int] | None:
     """Store the new full blocks; what completes the store (None: nothing to store).
 
-    On the CPU the store is made here. Through a staged transfer (CUDA) the KV only
-    starts its copy off the device here, on the copy stream: the store is made when
-    `Engine.finish_store` calls the returned function, after the answer is decoded.
+    On the CPU the store is made here. Through a staged transfer (CUDA) the KV leaves the device
+    in pieces (engine_adapter/runner/saver.py `piece_ranges`): the first piece's copy starts here,
+    on the copy stream; the returned function waits for it, stores it, copies and stores the next
+    ones (`Engine.finish_store` runs it after the answer, or queues it on the engine's saver).
     """
     store = engine.store
     block = None if store is None else store.info.block_tokens  # None for a sidecar: it drops partial blocks
     if store is None or len(ids) <= start:
         return None
-    if block is not None and len(ids) // block * block <= start:
+    end = len(ids) if block is None else len(ids) // block * block
+    if end <= start:
         return None  # no new full block: skip building the KV array
-    layers = cache.layers
-    kv = torch.stack(
-        [
-            torch.stack([layers[i].keys[0, :, start:], layers[i].values[0, :, start:]])
-            for i in range(len(layers))
-        ]
-    ).to(torch_dtype(engine.lm.spec.np_dtype))
-    spec, namespace = engine.lm.spec, engine.namespace
+    keys = [layer.keys for layer in cache.layers]  # decoding replaces the layers' tensors, not these
+    values = [layer.values for layer in cache.layers]
+    dtype = torch_dtype(engine.lm.spec.np_dtype)
+    spec, namespace, transfer = engine.lm.spec, engine.namespace, engine.transfer
+    scores = stats.prefill if stats is not None else None
 
-    def finish(kv16: np.ndarray[Any, Any]) -> int:
-        scores = stats.prefill if stats is not None else None
+    def piece(a: int, b: int) -> torch.Tensor:
+        pairs = zip(keys, values, strict=True)
+        return torch.stack([torch.stack([k[0, :, a:b], v[0, :, a:b]]) for k, v in pairs]).to(dtype)
+
+    def put(a: int, b: int, kv: np.ndarray[Any, Any]) -> int:
+        part = None if scores is None else scores[a - start : b - start]
         result = store.store(
-            np.asarray(ids), kv16, model=spec, namespace=namespace, scores=scores, kv_start=start,
-        )  # fmt: skip
+            np.asarray(ids[:b]), kv, model=spec, namespace=namespace, scores=part, kv_start=a
+        )
         return int(result.new_blocks)
 
-    if not engine.transfer.staged:
-        stored = finish(as_array(kv))
+    if not transfer.staged:
+        stored = put(start, end, as_array(piece(start, end)))
         return lambda: stored
+    pieces = piece_ranges(start, end, block, spec.token_bytes)
     try:
-        pending = engine.transfer.download(kv)
+        first = transfer.download(piece(*pieces[0]))
     except StagingError as exc:  # not stored: the answer does not depend on it
-        engine.transfer.last_error = str(exc)
+        transfer.last_error = str(exc)
         return None
-    return lambda: finish(pending.result())
+
+    def finish() -> int:
+        stored, pending = 0, first
+        for i, (a, b) in enumerate(pieces):
+            kv = pending.result()
+            if i + 1 < len(pieces):  # the next piece's copy runs while this one is stored
+                pending = transfer.download(piece(*pieces[i + 1]))
+            stored += put(a, b, kv)
+        return stored
+
+    return finish
 
 
 def report_history(engine: PrefillEngine, prefix: Sequence[int], stats: AttentionStats) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 from typing import Any
 
 _M_TRIM_THRESHOLD = -1
@@ -42,14 +43,17 @@ class StagingPool:
     Page-locked (`pin`) where CUDA is present: DMA reads them directly, so a copy from
     them is asynchronous; page-locking costs milliseconds per buffer, which is why they
     are kept rather than allocated per load. A buffer is handed back with the event of
-    the copy still using it and is reused only once that copy finished. Buffers are
+    the copy still using it and is reused only once that copy finished: a take that finds no
+    free buffer waits for a fitting one in flight rather than page-lock another (a DMA ends in
+    microseconds), so a steady stream of copies settles on as many buffers as it holds at once. Buffers are
     whole powers of two (>= 64 KiB) so loads of nearby sizes share them.
 
     Args:
         pin: page-lock the buffers (needs CUDA).
         max_bytes: all buffers together, in use or free, at most this many bytes.
 
-    Not thread-safe: one engine (one request at a time) owns a pool.
+    Thread-safe: an engine takes buffers for its copies while its saver thread gives back those
+    of the stores it made.
     """
 
     MIN_BUFFER_BYTES = 64 << 10
@@ -58,6 +62,7 @@ class StagingPool:
         if max_bytes < self.MIN_BUFFER_BYTES:
             raise ValueError(f"max_bytes must be at least {self.MIN_BUFFER_BYTES}, got {max_bytes}")
         self.pin, self.max_bytes = pin, max_bytes
+        self._lock = threading.RLock()
         self._free: list[Any] = []  # uint8 tensors, ready
         self._busy: list[tuple[Any, Any]] = []  # (buffer, event of the copy using it), oldest first
         #: Buffers allocated so far (tests: none after warm-up), and their bytes.
@@ -70,9 +75,18 @@ class StagingPool:
         Raises:
             StagingError: it cannot fit under `max_bytes` even after the copies in flight end.
         """
+        with self._lock:
+            return self._take_locked(num_bytes)
+
+    def _take_locked(self, num_bytes: int) -> Any:
         while True:
             self._collect()
             if (buffer := self._take_free(num_bytes)) is not None:
+                return buffer
+            fitting = [i for i, (b, _) in enumerate(self._busy) if b.numel() >= num_bytes]
+            if fitting:  # a copy in flight ends in microseconds; page-locking a new buffer takes ms
+                buffer, event = self._busy.pop(fitting[0])
+                event.synchronize()
                 return buffer
             capacity = max(self.MIN_BUFFER_BYTES, 1 << max(num_bytes - 1, 0).bit_length())
             if self.pooled_bytes + capacity <= self.max_bytes:
@@ -89,10 +103,11 @@ class StagingPool:
 
     def give(self, buffer: Any, done: Any = None) -> None:
         """Hand `buffer` back; `done` (a CUDA event) completes when the copy using it ends."""
-        if done is None:
-            self._free.append(buffer)
-        else:
-            self._busy.append((buffer, done))
+        with self._lock:
+            if done is None:
+                self._free.append(buffer)
+            else:
+                self._busy.append((buffer, done))
 
     def _collect(self) -> None:
         while self._busy and self._busy[0][1].query():

@@ -5,8 +5,8 @@ Per model shape (SmolLM2-135M's, `_smol`; an 8B Llama's, no tag) and prompt leng
 N tokens, whole blocks, then a question of `QUESTION_TOKENS`), each the least of `repeats` runs:
 
 - `e2e_recompute_s{tag}_{N}`: the whole prompt computed (no store).
-- `e2e_store_s{tag}_{N}` and `e2e_store_vs_prefill{tag}_{N}`: the first run with a store, its
-  prefill and the store of its blocks, against the prefill alone (target <= 1.1).
+- `e2e_store_s{tag}_{N}` and `e2e_store_vs_prefill{tag}_{N}`: the first run with a store (its blocks
+  stored behind it, on the engine's saver), against the prefill alone (target <= 1.1).
 - `e2e_full_warm_s{tag}_{N}`: the prefix loaded from the memory tier, the question computed;
   `e2e_full_warm_vs_recompute{tag}_{N}`.
 - `e2e_full_cold_s{tag}_{N}`: the same from disk, the data file evicted from the page cache and the
@@ -14,9 +14,14 @@ N tokens, whole blocks, then a question of `QUESTION_TOKENS`), each the least of
   `e2e_cold_read_vs_disk{tag}_{N}`: the prefix's bytes over the load's seconds, against the
   disk's own sequential read of the same file, cold (`disk_seq_read_gb_s{tag}_{N}`).
 - `e2e_qa25_warm_s` / `e2e_qa25_cold_s{tag}_{N}`: query-aware at budget 0.25 (layer by layer, the
-  question's queries choosing each layer's chunks), and their ratios to the full loads.
-- `e2e_split_s{tag}_{N}` and `e2e_split_vs_best{tag}_{N}`, cold and warm: the engine's own choice of
-  how much to load and compute (`Engine.prefill` with the split on), against min(recompute, full).
+  question's queries choosing each layer's chunks), and their ratios to the full loads;
+  `e2e_qa25_auto_warm_vs_full{tag}_{N}`: budget 0.25 as the engine runs it by default on a device
+  (query-aware only where the cost model measured it faster than a full load).
+- `e2e_split_warm_s` / `e2e_split_cold_s{tag}_{N}` and `..._vs_best`: the engine's own choice of how
+  much to load and compute meanwhile (engine_adapter/runner/costs.py, its rates measured by the runs
+  before it), against min(recompute, full load) (target <= 1.0); `..._kind`: what it chose.
+- `e2e_store_behind_s{tag}_{N}`: the store the first run queued, finished after it returned;
+  `e2e_store_mb_s{tag}_{N}`: the prefix's bytes over the first run and its store together.
 
 Keys of the 8B shape at its largest N: `h2d_tier_gb_s` (the memory tier's own buffers to the GPU
 through `PackUpload`, copies only), `h2d_vs_pinned_floor` (that over one pinned tensor's copy of the
@@ -36,6 +41,7 @@ import numpy as np
 import torch
 
 from engine_adapter.runner.cache import cache_from
+from engine_adapter.runner.costs import CostModel
 from engine_adapter.runner.device import KVTransfer
 from engine_adapter.runner.engine import Engine
 from engine_adapter.runner.model import LoadedModel, kv_dtype, random_llama, spec_from_config
@@ -65,21 +71,32 @@ def _at_length(lm: LoadedModel, tag: str, n: int, data: Path, repeats: int) -> d
     ids = np.random.default_rng(n).integers(0, lm.model.config.vocab_size, n + QUESTION_TOKENS).tolist()
     prefix_bytes = n * lm.spec.token_bytes
     config = StoreConfig(data_dir=data, memory_bytes=3 * prefix_bytes + (256 << 20))
-    out: dict[str, Any] = {}
-    key = f"{tag}_{n}"
-    recompute = _best(lambda: Engine(lm, None, collect_stats=False).prefill(ids), repeats)
-    out[f"e2e_recompute_s{key}"] = round(recompute, 4)
+    key, costs = f"{tag}_{n}", CostModel()  # one cost model: what one device measured
+    recompute = _best(lambda: Engine(lm, None, collect_stats=False, costs=costs).prefill(ids), repeats)
+    out: dict[str, Any] = {f"e2e_recompute_s{key}": round(recompute, 4)}
     with TieredStore(config) as store:
-        engine = _engine(lm, store)
-        stored = _timed(lambda: engine.prefill(ids))  # the first: computes and stores
-        out[f"e2e_store_s{key}"] = round(stored, 4)
-        out[f"e2e_store_vs_prefill{key}"] = round(stored / recompute, 3)
-        warm = _best(lambda: engine.prefill(ids), repeats)
-        qa_warm = _best(lambda: engine.prefill(ids, budget=0.25), repeats)
+        full = _engine(lm, store, costs, split=False)
+        stored = _timed(lambda: full.prefill(ids))  # the first: computes, and stores behind it
+        flushed = _timed(full.flush_stores)
+        out |= {
+            f"e2e_store_s{key}": round(stored, 4),
+            f"e2e_store_vs_prefill{key}": round(stored / recompute, 3),
+            f"e2e_store_behind_s{key}": round(flushed, 4),
+            f"e2e_store_mb_s{key}": round(prefix_bytes / (stored + flushed) / 1e6, 1),
+        }
+        warm = _best(lambda: full.prefill(ids), repeats)
+        qa = _engine(lm, store, costs, split=False, query_aware=True)
+        qa_warm = _best(lambda: qa.prefill(ids, budget=0.25), repeats)
+        auto = _engine(lm, store, costs, split=True)  # the engine's own choice at budget 0.25
+        qa_auto_warm = _best(lambda: auto.prefill(ids, budget=0.25), repeats)
+        split = _engine(lm, store, costs, split=True)
+        split_warm = _best(lambda: split.prefill(ids), repeats)
+        out[f"e2e_split_warm_kind{key}"] = split.last_split.kind if split.last_split else "none"
         if not tag:
             out |= _transfer_figures(lm, store, ids, n, key, warm)
-    cold = _cold(lm, config, ids, 1.0)
-    qa_cold = _cold(lm, config, ids, 0.25)
+    cold = _cold(lm, config, ids, 1.0, costs, split=False)
+    split_cold = _cold(lm, config, ids, 1.0, costs, split=True)
+    qa_cold = _cold(lm, config, ids, 0.25, costs, split=False, query_aware=True)
     disk = _disk_read_gb_s(config)
     out |= {
         f"e2e_full_warm_s{key}": round(warm, 4),
@@ -88,27 +105,42 @@ def _at_length(lm: LoadedModel, tag: str, n: int, data: Path, repeats: int) -> d
         f"e2e_full_cold_vs_recompute{key}": round(cold[0] / recompute, 3),
         f"disk_seq_read_gb_s{key}": round(disk, 3),
         f"e2e_cold_read_vs_disk{key}": round(prefix_bytes / max(cold[1], 1e-9) / 1e9 / disk, 3),
+        f"e2e_split_warm_s{key}": round(split_warm, 4),
+        f"e2e_split_warm_vs_best{key}": round(split_warm / min(recompute, warm), 3),
+        f"e2e_split_cold_s{key}": round(split_cold[0], 4),
+        f"e2e_split_cold_vs_best{key}": round(split_cold[0] / min(recompute, cold[0]), 3),
+        f"e2e_split_cold_kind{key}": split_cold[2],
         f"e2e_qa25_warm_s{key}": round(qa_warm, 4),
         f"e2e_qa25_warm_vs_full{key}": round(qa_warm / warm, 3),
+        f"e2e_qa25_auto_warm_vs_full{key}": round(qa_auto_warm / warm, 3),
         f"e2e_qa25_cold_s{key}": round(qa_cold[0], 4),
         f"e2e_qa25_cold_vs_full{key}": round(qa_cold[0] / cold[0], 3),
     }
     return out
 
 
-def _engine(lm: LoadedModel, store: TieredStore | None) -> Engine:
-    return Engine(lm, store, collect_stats=False, topup=None)
+def _engine(
+    lm: LoadedModel, store: TieredStore | None, costs: CostModel, split: bool, query_aware: bool | None = None
+) -> Engine:
+    return Engine(
+        lm, store, collect_stats=False, topup=None, costs=costs, split=split, query_aware=query_aware
+    )
 
 
-def _cold(lm: LoadedModel, config: StoreConfig, ids: list[int], budget: float) -> tuple[float, float]:
-    """(seconds of the prefill, seconds of its load) with the data file out of the page cache and
-    the store reopened: every byte comes from the disk."""
+def _cold(
+    lm: LoadedModel, config: StoreConfig, ids: list[int], budget: float, costs: CostModel, split: bool,
+    query_aware: bool | None = None,
+) -> tuple[float, float, str]:  # fmt: skip
+    """(seconds of the prefill, seconds of its load, the split chosen) with the data file out of the
+    page cache and the store reopened: every byte comes from the disk."""
     _evict(config)
     with TieredStore(config) as store:
-        engine = _engine(lm, store)
+        engine = _engine(lm, store, costs, split, query_aware)
         states = []
         seconds = _timed(lambda: states.append(engine.prefill(ids, budget=budget)))
-        return seconds, states[0].timings.load_s
+        engine.flush_stores()
+        kind = engine.last_split.kind if engine.last_split else "none"
+        return seconds, states[0].timings.load_s, kind
 
 
 def _evict(config: StoreConfig) -> None:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_adapter.reports import print_budget, print_event, print_layered, print_timings
+from engine_adapter.reports import print_budget, print_event, print_layered, print_split, print_timings
 from kvstore.budget import AutoBudget, parse_budget, resolve_budget
 from kvstore.cli.flags import Subcommands, add_command, add_flags, build_from_flags_and_env, parameter_default
 from kvstore.cli.settings import build_config
@@ -188,6 +188,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(result.text)
     if args.verbose:
         print_timings(result, budget, lm.spec.fingerprint.hex())
+        print_split(engine.last_split)
         print_budget(budget, engine.last_load)
         print_layered(engine.last_layered)
     if engine.transfer.last_error:

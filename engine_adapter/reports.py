@@ -15,7 +15,7 @@ from kvstore.budget import AutoBudget
 
 if TYPE_CHECKING:
     from engine_adapter.dsl.run import Event
-    from engine_adapter.runner import LayeredReport
+    from engine_adapter.runner import LayeredReport, SplitPlan
 
 
 def budget_words(budget: float | int | AutoBudget) -> str:
@@ -75,6 +75,12 @@ def print_timings(result: Any, budget: float | int | AutoBudget, fingerprint: st
         file=sys.stderr,
     )
     print(reuse_summary(result, fingerprint, cache_dir() / "prefill-rates.json"), file=sys.stderr)
+
+
+def print_split(plan: SplitPlan | None) -> None:
+    """`generate -v` on a device: how much of the cached prefix was loaded and computed, and why."""
+    if plan is not None:
+        print(f"load plan: {plan.reason}", file=sys.stderr)
 
 
 def print_event(event: Event, as_json: bool) -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine_adapter.runner.batchcache import BatchCache as BatchCache
     from engine_adapter.runner.cache import share_cache as share_cache
     from engine_adapter.runner.chat import Conversation as Conversation
+    from engine_adapter.runner.costs import SplitPlan as SplitPlan
     from engine_adapter.runner.decode import Completion as Completion
     from engine_adapter.runner.decode import Sampler as Sampler
     from engine_adapter.runner.device import resolve_device as resolve_device
@@ -51,6 +52,7 @@ FACE = {
     "BatchCache": "batchcache",
     "share_cache": "cache",
     "Conversation": "chat",
+    "SplitPlan": "costs",
     "Completion": "decode",
     "Sampler": "decode",
     "resolve_device": "device",

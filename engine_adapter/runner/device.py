@@ -172,10 +172,12 @@ class KVTransfer:
         num_layers: int,
         dtype: torch.dtype,
         owner: contextlib.AbstractContextManager[Any] | None = None,
+        targets: Sequence[torch.Tensor] | None = None,
     ) -> PackUpload:
         """Start moving a full load of packed blocks to the device from where the store holds them
-        (engine_adapter/runner/upload.py); `owner` is exited once every copy is made."""
-        upload = PackUpload(self.copier, views, num_layers, dtype, owner)
+        (engine_adapter/runner/upload.py) into `targets` (default new tensors); `owner` is exited
+        once every copy is made."""
+        upload = PackUpload(self.copier, views, num_layers, dtype, owner, targets)
         self.last_counts = upload.counts
         return upload
 

@@ -28,17 +28,28 @@ from engine_adapter.runner.attention import AttentionStats
 from engine_adapter.runner.batch import left_pad, padding_mask
 from engine_adapter.runner.cache import cache_kwargs
 from engine_adapter.runner.chat import ChatFormat
+from engine_adapter.runner.costs import CostModel, SplitPlan
 from engine_adapter.runner.decode import Completion, Sampler
 from engine_adapter.runner.device import KVTransfer
 from engine_adapter.runner.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last
 from engine_adapter.runner.model import LoadedModel
-from engine_adapter.runner.prefill import Prefill, Timings, forward, prefill_layered, prefill_static
+from engine_adapter.runner.prefill import (
+    Prefill,
+    Timings,
+    forward,
+    prefill_layered,
+    prefill_static,
+    recompute,
+    synchronize,
+)
 from engine_adapter.runner.sampling import Sampling
 from engine_adapter.runner.saver import BackgroundSaver
+from engine_adapter.runner.split import memory_fraction, prefill_split
 from engine_adapter.runner.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.load.device import as_array, torch_dtype
+from kvstore.store.tiered import TieredStore
 
 Messages = Sequence[dict[str, str]]
 
@@ -78,6 +89,14 @@ class Engine:
             no request waits for a store (`flush_stores` waits); None = where the model computes
             on a device (on the CPU the store competes for the same cores: it is made in line).
             A request's `stored_blocks` then counts the blocks it queued.
+        split: on a device, let the cost model choose how much of a cached prefix to load and how
+            much to compute meanwhile (engine_adapter/runner/costs.py); False: load all of it.
+        costs: the cost model (its rates measured on this device), e.g. shared by engines of one
+            model; default a new one.
+        query_aware: at a partial budget, choose each layer's chunks by the question's queries:
+            None = on the CPU whenever the layered policy allows, on a device only where the cost
+            model measured it faster than a full load (else the whole prefix is loaded: exact, and
+            faster); True = whenever the policy allows; False = never.
     """
 
     def __init__(
@@ -90,6 +109,9 @@ class Engine:
         transfer: KVTransfer | None = None,
         topup: TopUpSettings | None = TopUpSettings(),  # noqa: B008 (frozen: one shared default is safe)
         background_stores: bool | None = None,
+        split: bool = True,
+        costs: CostModel | None = None,
+        query_aware: bool | None = None,
     ) -> None:
         self.lm = lm
         self.transfer = transfer if transfer is not None else KVTransfer(lm.device)
@@ -108,6 +130,11 @@ class Engine:
         self.last_load: LoadStream | None = None
         #: The last prefill's layer-by-layer load, if it took that path (or tried and fell back).
         self.last_layered: LayeredReport | None = None
+        #: This device's rates, and how much of a cached prefix to load and to compute.
+        self.costs = costs if costs is not None else CostModel()
+        self.split, self.query_aware = split, query_aware
+        #: The cost model's choice for the last prefill (None where it did not choose).
+        self.last_split: SplitPlan | None = None
 
     # -- prompts ------------------------------------------------------------------
 
@@ -143,9 +170,47 @@ class Engine:
         timings = Timings()
         self.last_load = self.last_layered = None
         self.transfer.last_error = ""
-        if (layered := prefill_layered(self, ids, budget, timings)) is not None:
-            return layered
+        if self._query_aware(ids, budget):
+            t0 = time.perf_counter()
+            if (layered := prefill_layered(self, ids, budget, timings)) is not None:
+                synchronize(self.lm.device)
+                self.costs.observe_layered(layered.matched_tokens, time.perf_counter() - t0)
+                return layered
+        elif self.transfer.staged and budget != 1.0:
+            budget = 1.0  # the cost model says choosing cannot pay: the whole prefix, exact
+        self.last_split = plan = self._split_plan(ids, budget)
+        if plan is not None and plan.kind == "recompute":
+            return recompute(self, ids, timings)
+        if plan is not None and plan.kind == "split":
+            return prefill_split(self, ids, plan, timings)
         return prefill_static(self, ids, budget, timings)
+
+    def _query_aware(self, ids: Sequence[int], budget: Budget) -> bool:
+        """Whether to try the layer-by-layer path (its policy may still refuse: see `query_aware`)."""
+        if self.query_aware is not None or not self.transfer.staged:
+            return self.query_aware is not False
+        store = self.store
+        if not isinstance(store, TieredStore) or budget == 1.0 or len(ids) < 2:
+            return False
+        prefix, in_memory = memory_fraction(store, ids[:-1], self.lm.spec, self.namespace)
+        block = store.info.block_tokens or max(prefix, 1)
+        return prefix > 0 and self.costs.query_aware_pays(
+            prefix, len(ids) - prefix, self.lm.spec.token_bytes, block, in_memory
+        )
+
+    def _split_plan(self, ids: Sequence[int], budget: Budget) -> SplitPlan | None:
+        """The cost model's choice for a full load on a device from the embedded store (None where
+        it does not choose: the CPU, a sidecar, a partial budget, nothing cached)."""
+        store = self.store
+        if not (self.split and self.transfer.staged and isinstance(store, TieredStore)):
+            return None
+        if budget != 1.0 or len(ids) < 2:
+            return None
+        prefix, in_memory = memory_fraction(store, ids[:-1], self.lm.spec, self.namespace)
+        if not prefix:
+            return None
+        block = store.info.block_tokens or prefix
+        return self.costs.plan(prefix, len(ids) - prefix, self.lm.spec.token_bytes, block, in_memory)
 
     def finish_store(self, state: Prefill) -> None:
         """Complete `state`'s pending store, if any: queued on the saver (its blocks counted as

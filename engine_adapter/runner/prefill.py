@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -25,6 +25,7 @@ import torch
 
 from engine_adapter.runner.attention import AttentionStats
 from engine_adapter.runner.cache import cache_from, cache_kwargs
+from engine_adapter.runner.costs import CostModel
 from engine_adapter.runner.device import KVTransfer, LayerUpload
 from engine_adapter.runner.layered import LayeredReport, layered_prefill
 from engine_adapter.runner.layered_policy import plan_layered
@@ -91,6 +92,7 @@ class PrefillEngine(Protocol):
     choose_with_last: int | None
     transfer: KVTransfer
     topup: TopUpSettings | None
+    costs: CostModel
     last_load: LoadStream | None
     last_layered: LayeredReport | None
 
@@ -116,7 +118,9 @@ def prefill_static(
             raise
         engine.transfer.last_error = str(exc)
         return recompute(engine, ids, timings)
+    synchronize(lm.device)  # the answer's first step waits for these logits anyway
     timings.prefill_s = time.perf_counter() - t0
+    engine.costs.observe_prefill(len(ids) - matched, matched, timings.prefill_s)
     state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
     if loaded == matched:  # KV computed over a partial prefix is approximate: never store it
         state.pending_store = store_new(engine, ids, matched, cache, stats)
@@ -199,7 +203,7 @@ def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None
         closing.enter_context(stream)
         timings.lookup_s = time.perf_counter() - t0  # until the match was known
         if transfer.staged and isinstance(stream, LocalLoadStream) and (views := stream.pack_views()):
-            return _pack_upload(engine, list(views), stream, closing, timings, t0)
+            return _pack_upload(engine, _read_views(engine, views), stream, closing, timings, t0)
         positions, kv = stream.gather(lm.spec)
         covered = int(stream.num_tokens)  # shorter than matched if a block was corrupt
         if not covered or not len(positions):
@@ -215,6 +219,16 @@ def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None
     cache = cache_from(lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
     timings.load_s = time.perf_counter() - t0
     return Loaded(positions, cache, covered)
+
+
+def _read_views(engine: PrefillEngine, views: Iterator[PackView]) -> list[PackView]:
+    """Every view of a full load, read; how fast the disk delivered them goes to the cost model."""
+    t0 = time.perf_counter()
+    listed = list(views)
+    from_disk = sum(v.nbytes for v in listed if v.tier != "memory")
+    if from_disk * 2 >= sum(v.nbytes for v in listed) > 0:  # mostly the disk's: its rate
+        engine.costs.observe_read("disk", from_disk, time.perf_counter() - t0)
+    return listed
 
 
 def _pack_upload(
@@ -233,6 +247,12 @@ def _pack_upload(
     timings.load_s = time.perf_counter() - t0
     positions = np.concatenate([v.positions for v in views])
     return Loaded(positions, cache_from(lm.model.config, upload.pairs), int(stream.num_tokens), upload)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU): before a prefill's time is read."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def forward(

@@ -70,6 +70,8 @@ class PackUpload:
         num_layers: the model's layers.
         dtype: the model's dtype (the copy converts).
         owner: what keeps the views valid (the load stream), exited once every copy is done.
+        targets: where each layer's KV goes, (2, kv_heads, tokens, head_dim) on the device in
+            `dtype` (views of larger tensors allowed); default new tensors (`pairs`).
 
     Raises:
         StagingError: no room on the device for the prefix.
@@ -82,16 +84,17 @@ class PackUpload:
         num_layers: int,
         dtype: torch.dtype,
         owner: contextlib.AbstractContextManager[Any] | None = None,
+        targets: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.copier, self.views, self.num_layers, self._owner = copier, list(views), num_layers, owner
         two, heads, _, dim = self.views[0].chunk_shape
         self.num_tokens = sum(len(v.positions) for v in self.views)
         self.counts = CopyCounts()
         try:
-            self._targets = [
+            self._targets = list(targets) if targets is not None else [
                 torch.empty((two, heads, self.num_tokens, dim), dtype=dtype, device=copier.device)
                 for _ in range(num_layers)
-            ]
+            ]  # fmt: skip
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
             self.close()
             raise StagingError(f"no room on {copier.device} for the loaded prefix: {exc}") from exc

@@ -73,3 +73,16 @@ def _slot_scores(meta: BlockMeta) -> np.ndarray:
     if meta.scores is None:
         return np.zeros(meta.num_tokens, dtype=np.float32)
     return meta.scores[meta.permutation]
+
+
+def skip_blocks(plan: LoadPlan, count: int) -> LoadPlan:
+    """`plan` without its first `count` blocks (a caller computes them instead): what they selected
+    no longer counts, the prefix it matched stays."""
+    if count <= 0:
+        return plan
+    skipped = sum(
+        len(c) * m.chunk_tokens for m, c in zip(plan.blocks[:count], plan.chunks[:count], strict=True)
+    )
+    return plan._replace(
+        selected_tokens=plan.selected_tokens - skipped, blocks=plan.blocks[count:], chunks=plan.chunks[count:]
+    )

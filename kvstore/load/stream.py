@@ -44,6 +44,7 @@ class LocalLoadStream:
         on_finish: called once when the stream is exhausted (the store's counters).
         prefix_bytes: encoded bytes of all the matched blocks (for `read_fraction`).
         estimated_coverage: share of the estimated attention mass the plan selected.
+        first_token: where the first planned block starts (the blocks before it were skipped).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class LocalLoadStream:
         on_finish: Callable[[LocalLoadStream], None] = lambda stream: None,
         prefix_bytes: int = 0,
         estimated_coverage: float = 1.0,
+        first_token: int = 0,
     ) -> None:
         self.matched_tokens = matched_tokens
         self.num_tokens = matched_tokens
@@ -66,6 +68,7 @@ class LocalLoadStream:
         self.estimated_coverage = estimated_coverage
         self._token_bytes = token_bytes
         self._block_tokens = block_tokens
+        self._first_token = first_token
         self._blocks = blocks
         self._blocks_read = 0
         self._pending: collections.deque[LoadedChunk] = collections.deque()
@@ -172,7 +175,7 @@ class LocalLoadStream:
 
     def _finish(self, lost_block: bool) -> None:
         if lost_block:  # the prefix delivered ends where the lost block starts
-            self.num_tokens = self._blocks_read * self._block_tokens
+            self.num_tokens = self._first_token + self._blocks_read * self._block_tokens
         on_finish, self._on_finish = self._on_finish, None
         if on_finish is not None:
             on_finish(self)

@@ -33,7 +33,7 @@ from kvstore.index.store_index import StoreIndex
 from kvstore.keys import Root, as_token_array, namespace_digest
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.load.layer_by_layer import LocalLayeredLoad, open_layered
-from kvstore.load.plan import plan_load
+from kvstore.load.plan import plan_load, skip_blocks
 from kvstore.load.read import BlockReader
 from kvstore.load.stream import LocalLoadStream
 from kvstore.model import ModelSpec
@@ -163,14 +163,24 @@ class TieredStore:
         budget: Budget = 1.0,
         budget_tokens: int | None = None,
         coverage: float | None = None,
+        start_token: int = 0,
     ) -> LocalLoadStream:
+        """`PrefixStore.load`; `start_token` (whole blocks, this store only) skips the blocks before
+        it: the engine computes that head of the prefix while the rest loads (a split)."""
         toks = as_token_array(tokens)
         resolved = resolve_budget(budget, budget_tokens, coverage)
-        plan = plan_load(self._match(self._root(model, namespace), toks), resolved)
+        block = self.config.block_tokens
+        if not isinstance(start_token, int) or start_token < 0 or start_token % block:
+            raise InvalidInputError(
+                f"start_token must be a multiple of block_tokens ({block}), got {start_token!r}"
+            )
+        plan = skip_blocks(
+            plan_load(self._match(self._root(model, namespace), toks), resolved), start_token // block
+        )
         stream = LocalLoadStream(
-            plan.matched_tokens, plan.selected_tokens, model.token_bytes, self.config.block_tokens,
+            plan.matched_tokens, plan.selected_tokens, model.token_bytes, block,
             self.reader.read_blocks(plan, model), functools.partial(self._load_finished, model.token_bytes),
-            plan.prefix_bytes, plan.estimated_coverage,
+            plan.prefix_bytes, plan.estimated_coverage, first_token=min(start_token, plan.matched_tokens),
         )  # fmt: skip
         self.counters.add("loads")
         return stream

@@ -125,8 +125,10 @@ def test_a_corrupt_block_ends_the_views_and_the_prefix_there(tmp_path: Path) -> 
         assert stream.num_tokens == BLOCK
 
 
-@pytest.mark.parametrize("layer_bytes, layers, expected", [(1 << 20, 32, 1), (192 << 10, 30, 6), (64, 4, 4)])
-def test_a_device_copy_moves_at_least_a_mebibyte_where_layers_allow(
+@pytest.mark.parametrize(
+    "layer_bytes, layers, expected", [(4 << 20, 32, 2), (1 << 20, 32, 4), (192 << 10, 30, 22), (64, 4, 4)]
+)
+def test_a_device_copy_moves_4_mib_where_layers_allow_and_at_most_16_groups(
     layer_bytes: int, layers: int, expected: int
 ) -> None:
     class View:

@@ -1,10 +1,12 @@
 """The model runner: a real transformer computing prompts on top of prefix KV from kvsieve.
 
-Its modules, by role: `model` (loading SmolLM2 or any Llama shape), `engine` (`Engine`,
-the facade: generate, prefill, decode, score), `prefill` with `layered`, `layered_policy`
-and `topup` (the ways a prefix is loaded and computed on), `device` (how loaded KV reaches
-the model's device), `cache`, `batchcache`, `array_layers` and `attention` (the model's KV
-and attention hooks), `decode`, `sampling`, `chat` and `batch` (turning logits into answers).
+Its modules, by role: `model` (loading SmolLM2 or any Llama shape, `--dtype`), `engine`
+(`Engine`, the facade: generate, prefill, decode, score), `prefill` with `layered`,
+`layered_policy`, `topup` and `split` (the ways a prefix is loaded and computed on), `costs`
+(how much of a prefix to load and to compute, from this device's measured rates), `device` and
+`upload` (how loaded KV reaches the model's device), `saver` (new blocks stored off the
+request), `cache`, `batchcache`, `array_layers` and `attention` (the model's KV and attention
+hooks), `decode`, `sampling`, `chat` and `batch` (turning logits into answers).
 
 This package's face is the names below: the integrations above it (the DSL, the vLLM
 connector, SGLang's storage), the engine server and the commands import the runner through

@@ -4,7 +4,8 @@ modules form no cycle; every name is imported from the module that defines it.
 The table is parsed from the page, so page and test cannot drift. Edges are read
 from the source: `import`, `from ... import` (to the submodule when it is one),
 relative imports resolved, imports under TYPE_CHECKING, and
-`importlib.import_module` / `__import__` / `find_spec` of literal names.
+`importlib.import_module` / `__import__` / `find_spec` of literal names (or of an item of a
+module-level dict of literal names: an edge to each of them).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def edges_of(module: str, path: Path, known: set[str]) -> list[Edge]:
     tree = ast.parse(path.read_text())
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     constants = _string_constants(tree)
+    tables = _string_tables(tree)
     edges: list[Edge] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -106,8 +108,12 @@ def edges_of(module: str, path: Path, known: set[str]) -> list[Edge]:
                 sub = f"{base}.{alias.name}" if base else alias.name
                 edges.append(Edge(module, sub if sub in known else base, node.lineno))
         elif isinstance(node, ast.Call) and _called_name(node.func) in DYNAMIC and node.args:
-            target = _literal_name(node, constants, package)
-            edges.append(Edge(module, target or "?", node.lineno))
+            listed = _table_values(node.args[0], tables)
+            if listed is not None:  # import_module(TABLE[key]): any of the table's modules
+                edges += [Edge(module, name, node.lineno) for name in listed]
+            else:
+                target = _literal_name(node, constants, package)
+                edges.append(Edge(module, target or "?", node.lineno))
     return edges
 
 
@@ -132,6 +138,29 @@ def _string_constants(tree: ast.Module) -> dict[str, str]:
                 if isinstance(target, ast.Name) and isinstance(node.value.value, str):
                     out[target.id] = node.value.value
     return out
+
+
+def _string_tables(tree: ast.Module) -> dict[str, list[str]]:
+    """Module-level dicts whose values are all string literals (`BENCHMARKS = {"store": "bench..."}`)."""
+    out: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
+            values = node.value.values
+            literal = all(isinstance(v, ast.Constant) and isinstance(v.value, str) for v in values)
+            if not (values and literal):  # `{}` names nothing: a lookup in it stays computed
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = [v.value for v in values if isinstance(v, ast.Constant)]
+    return out
+
+
+def _table_values(arg: ast.expr, tables: dict[str, list[str]]) -> list[str] | None:
+    """The modules `TABLE[key]` may name, when `arg` is that and TABLE is a table of literals."""
+    if isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Name) and arg.value.id in tables:
+        return tables[arg.value.id]
+    return None
 
 
 def _literal_name(call: ast.Call, constants: dict[str, str], package: str) -> str | None:
@@ -250,6 +279,11 @@ FORBIDDEN = {
         "-> engine_adapter:",
     ),
     "f-string": ("kvstore/bad.py", IL + 'n = "x"\nimportlib.import_module(f"bench.{n}")\n', "-> bench:"),
+    "table of names": (
+        "kvstore/bad.py",
+        IL + 'T = {"a": "kvstore.errors", "b": "bench.x_bench"}\nimportlib.import_module(T["b"])\n',
+        "kvstore.bad -> bench.x_bench",
+    ),
     "computed name": ("engine_adapter/bad.py", IL + "importlib.import_module(input())\n", "a computed name"),
     "upward": ("engine_adapter/bad.py", "from bench.sidecar import free_port\n", "may not import bench"),
     "beside": (

@@ -33,7 +33,7 @@ import numpy as np
 from bench import chaos_faults as faults
 from bench import chaos_layered
 from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.rpc import shm

@@ -31,8 +31,8 @@ import numpy as np
 
 from bench import chaos_faults as faults
 from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
-from bench.redisd import RedisNode, server_binary
-from bench.sidecar import Sidecar
+from bench.common.redisd import RedisNode, server_binary
+from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import store_data_file, store_lmdb_dir
 from kvstore.errors import KVSieveError, RpcFailedError

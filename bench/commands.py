@@ -34,7 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "bench.ttft_bench",
     "vllm": "bench.vllm_bench",
 }
-#: The benchmarks `--plot` draws (bench/plots.py has `plot_NAME` for each).
+#: The benchmarks `--plot` draws (bench/common/plots.py has `plot_NAME` for each).
 PLOTTED = ("ttft", "readamp", "quality", "longdoc")
 
 
@@ -68,7 +68,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     extra = {"concurrency": args.concurrency} if args.concurrency else {}
     result = module.run(quick=args.quick, **extra)
     if args.plot:
-        from bench import plots
+        from bench.common import plots
 
         getattr(plots, f"plot_{args.name}")(result, args.plot)
     if args.json:

@@ -1,7 +1,7 @@
 """`kvsieve bench dsl`: a workflow as one program vs as separate calls.
 
 `examples/chatbot.kvs` and `examples/map_reduce.kvs` on a shared context of at
-least 1,000 tokens (license text, bench/texts.py), in one run:
+least 1,000 tokens (license text, bench/common/texts.py), in one run:
 (a) as one program; (b) as separate stateless calls that recompute their whole
 prompt (what a plain completion API does); (c) as separate calls with prefix
 reuse through the store. Prefill tokens computed and wall time for each.
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.texts import documents
+from bench.common.texts import documents
 from engine_adapter.runner.sampling import Sampling
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.sidecar import free_port
+from bench.common.sidecar import free_port
 
 VENV_ENV = "KVSIEVE_DYNAMO_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "kvsieve" / "dynamo-venv"

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.common.sidecar import Sidecar, free_port
 from bench.dynamo_indexer import DynamoIndexer, dynamo_python
-from bench.sidecar import Sidecar, free_port
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.events.config import EventsConfig

@@ -24,7 +24,7 @@ document's tail, teacher-forced), and the bytes read as a fraction of the prefix
 `sink_recent` and the oracle are not product paths: `kvsieve bench quality` simulates
 them (1,024 tokens).
 
-Documents are the Debian license texts (bench/texts.py) joined into one stream and cut
+Documents are the Debian license texts (bench/common/texts.py) joined into one stream and cut
 into windows at different offsets, so a window of 8k tokens exists. At 8k the
 document, its tail, the question and the answer fit the model's 8,192 positions.
 
@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.common.texts import stream_windows
 from bench.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
-from bench.texts import stream_windows
 
 BLOCK = 256
 BUDGETS = (0.1, 0.25)

@@ -1,7 +1,7 @@
 """`kvsieve bench quality`: which prefix KV to read under a byte budget, and what it costs the answer.
 
 Real KV and real attention from SmolLM2-135M over windows of 1,024 tokens of
-Debian's license texts (bench/texts.py). Partial loads are simulated by masking
+Debian's license texts (bench/common/texts.py). Partial loads are simulated by masking
 inside the attention (bench/quality_masking.py: tokens keep their true positions;
 tests check the masking against real partial caches). Every method delivers the
 same bytes at 0.1 / 0.25 / 0.5 of the prefix (summaries included) and at `auto`
@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from bench.common.texts import stream_windows, token_windows
 from bench.quality_masking import MaskPlan, masking, plans_active
 from bench.quality_methods import PrefixState, QAConfig, chooser, summary_charge
-from bench.texts import stream_windows, token_windows
 from importance.scorers import PrefillScorer, PrefixEvidence
 from importance.summaries import AutoBudget, Budget, FixedBudget
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.common.texts import token_windows
 from bench.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
-from bench.texts import token_windows
 
 PREFIX, BLOCK, BUDGET = 1024, 256, 0.25
 #: Uncached tails (tokens of the document after its last whole block), cycled over windows.

@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from bench.common.texts import token_windows
 from bench.quality_bench import QUESTIONS, SHIPPED_CONFIG, agreement, forward, prefix_state, question_item
 from bench.quality_masking import MaskPlan, RowExtender, masking
 from bench.quality_methods import PrefixState, chooser, summary_charge
-from bench.texts import token_windows
 from importance.summaries import ChunkLayout, FixedBudget, chunk_mass
 
 Array = np.ndarray[Any, Any]

@@ -1,7 +1,7 @@
 """`kvsieve bench readamp`: importance layout vs natural layout, and scorers vs baselines.
 
 Real KV and real attention from SmolLM2-135M over 20 windows of 1,024 tokens of
-Debian's license texts (bench/texts.py). For budgets 0.1, 0.25 and 0.5, in one run:
+Debian's license texts (bench/common/texts.py). For budgets 0.1, 0.25 and 0.5, in one run:
 read amplification of the exact top tokens (bytes of the chunks holding them / their
 bytes) with the natural and the importance layout; what the store's loads really
 deliver and read (fractions of the prefix's tokens and bytes; whole chunks, best
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from bench.cache import make_cold
-from bench.texts import token_windows
+from bench.common.texts import token_windows
 from importance.layout import budget_to_tokens
 from importance.scorers import (
     PrefillScorer,

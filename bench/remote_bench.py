@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.redisd import RedisNode
+from bench.common.redisd import RedisNode
 from bench.store_bench import SMOLLM2_SHAPE
 from kvstore.config import StoreConfig
 from kvstore.load.buffers import keep_large_buffers
@@ -137,7 +137,7 @@ def _store_latency(server: RedisNode, tmp: Path, num_tokens: int, repeats: int) 
 
 
 def _ttft(server: RedisNode, tmp: Path, num_tokens: int) -> dict[str, Any]:
-    from bench.texts import token_windows
+    from bench.common.texts import token_windows
     from bench.ttft_bench import _question, _ttft
     from engine_adapter.runner.engine import Engine
     from engine_adapter.runner.model import load_model

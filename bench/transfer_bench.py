@@ -24,7 +24,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import grpc_floor
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from bench.store_bench import SMOLLM2_SHAPE
 from kvstore.client.kvclient import KVClient
 from kvstore.load.assemble import place_chunks

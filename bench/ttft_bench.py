@@ -1,7 +1,7 @@
 """`kvsieve bench ttft`: time to first token with and without kvsieve, on SmolLM2-135M.
 
 Prompts are windows of 512 to 8,192 tokens of Debian's license texts
-(bench/texts.py) plus a 32-token question (at 8,192 the window is 32 tokens shorter: the
+(bench/common/texts.py) plus a 32-token question (at 8,192 the window is 32 tokens shorter: the
 model has 8,192 positions). In one run, per length:
 (a) recompute everything; (b) load the whole prefix from the memory tier;
 (c) load it from the disk tier with a cold page cache; (d) load the most
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bench.cache import cold_seq_read_mb_s, make_cold
-from bench.texts import stream_windows, token_windows
+from bench.common.texts import stream_windows, token_windows
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 

@@ -1,6 +1,6 @@
 """`kvsieve bench vllm`: time to first token in vLLM, with and without kvsieve's connector.
 
-A 2,048-token document (bench/texts.py) plus a short question, answered with one
+A 2,048-token document (bench/common/texts.py) plus a short question, answered with one
 token by vLLM (CPU build, SmolLM2-135M, default dtype and compilation), in one run:
 (a) recomputed (a prompt vLLM has never seen); (b) vLLM's own in-memory prefix
 cache hit (the same prompt again); (c) vLLM's reference `ExampleConnector`
@@ -44,8 +44,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from bench.sidecar import Sidecar
-from bench.texts import QUESTION, token_windows
+from bench.common.sidecar import Sidecar
+from bench.common.texts import QUESTION, token_windows
 from bench.vllm_load import run_load, sidecar_config
 
 DOC_TOKENS = 2048

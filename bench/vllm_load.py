@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.sidecar import Sidecar
-from bench.texts import stream_windows
+from bench.common.sidecar import Sidecar
+from bench.common.texts import stream_windows
 
 #: Questions asked about each document (one per request, in turn).
 QUESTIONS = (

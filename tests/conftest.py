@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
@@ -108,7 +108,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     (set by .ci/run), where a missing server fails the run instead.
     """
     require_redis_server()
-    from bench.redisd import RedisNode
+    from bench.common.redisd import RedisNode
 
     node = RedisNode(tmp_path_factory.mktemp("redis")).start()
     yield node.url
@@ -134,7 +134,7 @@ def require_redis_server() -> None:
     """Skip when redis-server is missing, or fail under KVSIEVE_REQUIRE_REDIS=1 (.ci/run)."""
     import os
 
-    from bench.redisd import server_binary
+    from bench.common.redisd import server_binary
 
     if server_binary() is None:
         if os.environ.get("KVSIEVE_REQUIRE_REDIS") == "1":
@@ -150,7 +150,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     use `private_cluster` instead. Skipped/required like `redis_url`.
     """
     require_redis_server()
-    from bench.redisd import LocalCluster
+    from bench.common.redisd import LocalCluster
 
     cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
@@ -161,7 +161,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def private_cluster(tmp_path: Path) -> Iterator[Any]:
     """A 3-node cluster of this test's own, which it may kill and restart."""
     require_redis_server()
-    from bench.redisd import LocalCluster
+    from bench.common.redisd import LocalCluster
 
     cluster = LocalCluster(tmp_path / "cluster").start()
     yield cluster

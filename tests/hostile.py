@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 
 TOKENS_TOML = '[server]\nauth_tokens = { "tok-a" = ["a"], "tok-b" = ["b"], "tok-admin" = ["*"] }\n'

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import TINY, make_kv, make_tokens
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.api import LoadStream, PrefixStore, StoreInfo
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig

@@ -45,7 +45,7 @@ def test_every_bench_module_has_a_name() -> None:
 
 def test_every_plotted_benchmark_has_its_plot() -> None:
     assert set(PLOTTED) <= set(BENCHMARKS)
-    plots = _functions(ROOT / "bench" / "plots.py")
+    plots = _functions(ROOT / "bench" / "common" / "plots.py")
     assert [name for name in PLOTTED if f"plot_{name}" not in plots] == []
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import TINY, make_kv, make_tokens
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.api import PrefixStore
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
@@ -141,7 +141,7 @@ def test_hung_redis_under_load_serves_locally_and_the_breaker_cycles(tmp_path: P
     import signal
     import threading
 
-    from bench.redisd import RedisNode
+    from bench.common.redisd import RedisNode
 
     server = RedisNode(tmp_path / "redis").start()
     config = remote_config(tmp_path / "a", remote_url=server.url, remote_timeout_s=0.2,
@@ -239,7 +239,7 @@ def test_damaged_or_missing_remote_value_is_a_counted_miss(
 
 
 def test_redis_evicting_at_maxmemory_gives_misses_never_wrong_kv(tmp_path: Path) -> None:
-    from bench.redisd import RedisNode
+    from bench.common.redisd import RedisNode
 
     wide = ModelSpec("test-wide", num_layers=4, num_kv_heads=4, head_dim=32)  # 2 KiB per token
     server = RedisNode(tmp_path / "redis", maxmemory="4mb").start()

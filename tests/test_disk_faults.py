@@ -25,7 +25,7 @@ import pytest
 from conftest import kvsieve as run_kvsieve
 from conftest import make_kv, make_tokens
 
-from bench.sidecar import Sidecar, free_port
+from bench.common.sidecar import Sidecar, free_port
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import DamagedStoreError, RpcFailedError, StorageUnavailableError, StoreFullError

@@ -179,7 +179,7 @@ def test_engine_server_streams_events_and_stops_on_cancel(tmp_path: Path) -> Non
 
     import grpc
 
-    from bench.sidecar import Sidecar, free_port
+    from bench.common.sidecar import Sidecar, free_port
     from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
     from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
     from kvstore.client.kvclient import KVClient
@@ -254,7 +254,7 @@ def test_an_unforeseen_executor_failure_ends_the_stream_with_one_error(engine, s
 
 
 def test_run_command_reports_a_dead_store_in_one_line(tmp_path: Path) -> None:
-    from bench.sidecar import free_port
+    from bench.common.sidecar import free_port
 
     program = tmp_path / "hello.kvs"
     program.write_text(f'program hello() {{\n  {SYSTEM}\n  user "Hi"\n  a = gen(max_tokens=2)\n  yield a\n}}')

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from conftest import ServerInThread, kvsieve
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import engine_pb2 as pb
 from kvstore._generated.kvsieve.v1 import engine_pb2_grpc as pb_grpc
 from kvstore.client.kvclient import KVClient

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.texts import token_windows
+from bench.common.texts import token_windows
 from engine_adapter.runner.cache import cache_from, share_cache
 from engine_adapter.runner.layered import LayeredPrefill, chunk_positions, layered_prefill
 from engine_adapter.runner.layered_policy import chunks_for_fraction

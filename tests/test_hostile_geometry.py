@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import TINY, make_tokens
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, NotFoundError, RpcFailedError
@@ -30,7 +30,7 @@ from kvstore.keys import chunk_key
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
 
-B = 32  # block tokens of every store here (bench.sidecar.Sidecar's too)
+B = 32  # block tokens of every store here (bench.common.sidecar.Sidecar's too)
 N = 3 * B
 Array = np.ndarray[Any, Any]
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 from hostile import auth_sidecar, raw_stub, rss_bytes, wait_until
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import Lease
 from kvstore.client.kvclient import KVClient

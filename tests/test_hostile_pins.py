@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY, corrupt_chunk, make_kv, make_tokens
 from hostile import auth_sidecar, wait_until
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.errors import ChecksumError, StoreFullError

@@ -24,7 +24,7 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 from hostile import auth_sidecar, bearer, raw_stub, wait_until
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.client.kvclient import KVClient

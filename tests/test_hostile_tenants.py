@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 from hostile import auth_sidecar, bearer, code_of, raw_stub
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2_grpc as pb_grpc
 from kvstore.client.kvclient import KVClient

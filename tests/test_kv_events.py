@@ -32,7 +32,7 @@ import msgspec
 import zmq
 from conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
 
-from bench.sidecar import free_port
+from bench.common.sidecar import free_port
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.events import hashing, wire

@@ -27,7 +27,7 @@ pytest.importorskip("zmq")
 
 from conftest import TINY, corrupt_chunk, make_kv, make_tokens  # noqa: E402
 
-from bench.sidecar import Sidecar, free_port  # noqa: E402
+from bench.common.sidecar import Sidecar, free_port  # noqa: E402
 from kvstore.client.kvclient import KVClient  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.events.hashing import namespace_salt  # noqa: E402
@@ -35,7 +35,7 @@ from kvstore.keys import block_keys, namespace_digest  # noqa: E402
 from kvstore.store.tiered import TieredStore  # noqa: E402
 
 pytestmark = pytest.mark.dynamo
-BLOCK = 32  # bench.sidecar.Sidecar's blocks; the router's are 16 tokens
+BLOCK = 32  # bench.common.sidecar.Sidecar's blocks; the router's are 16 tokens
 ROUTER = 16
 DISK_BYTES = 40 * BLOCK * TINY.token_bytes  # about 40 blocks of TINY (with their metadata, fewer)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.texts import token_windows
+from bench.common.texts import token_windows
 from engine_adapter.runner.array_layers import ArrayLayers
 from engine_adapter.runner.layered import layered_prefill
 from kvstore.config import StoreConfig

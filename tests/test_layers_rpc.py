@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY, make_kv, make_tokens
 from hostile import code_of, raw_stub
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from importance.lowbit import dequantize, quantize
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.api import LayeredLoad

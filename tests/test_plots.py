@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from bench.plots import plot_longdoc
+from bench.common.plots import plot_longdoc
 
 
 def test_longdoc_plot_has_a_column_per_length_measured(tmp_path: Path) -> None:

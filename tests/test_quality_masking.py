@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common.texts import token_windows
 from bench.quality_bench import forward, prefix_state
 from bench.quality_masking import MaskPlan, masking
 from bench.quality_methods import QAConfig, chooser
-from bench.texts import token_windows
 from importance.summaries import FixedBudget
 
 pytestmark = [pytest.mark.model]

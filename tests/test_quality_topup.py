@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common.texts import token_windows
 from bench.quality_bench import SHIPPED_CONFIG, forward, prefix_state
 from bench.quality_masking import MaskPlan, masking
 from bench.quality_methods import chooser
 from bench.quality_topup import extender, top_up
-from bench.texts import token_windows
 from importance.summaries import ChunkLayout, FixedBudget
 
 LAYOUT = ChunkLayout.natural(64, 8)  # 8 chunks of 8 tokens

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from conftest import require_sglang
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from engine_adapter.sglang.pages import TRAILER_BYTES, PageFormat, PageIdentity
 from engine_adapter.sglang.settings import BackendSettings
 from kvstore.client.kvclient import KVClient

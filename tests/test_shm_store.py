@@ -19,7 +19,7 @@ import pytest
 from conftest import make_kv, make_tokens
 from hostile import auth_sidecar, bearer, code_of, raw_stub
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from kvstore._generated.kvsieve.v1 import kvsieve_pb2 as pb
 from kvstore.client.kvclient import KVClient
 from kvstore.model import ModelSpec

@@ -32,8 +32,8 @@ if importlib.util.find_spec("vllm") is None:
 import numpy as np
 from conftest import corrupt_chunk
 
-from bench.sidecar import Sidecar
-from bench.texts import token_windows
+from bench.common.sidecar import Sidecar
+from bench.common.texts import token_windows
 from engine_adapter.vllm.driver import DriverProcess
 from engine_adapter.vllm.timings import read_records
 from kvstore.client.kvclient import KVClient

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.sidecar import Sidecar
+from bench.common.sidecar import Sidecar
 from engine_adapter.vllm import layout
 from engine_adapter.vllm.guard import SidecarGuard
 from engine_adapter.vllm.jobs import layer_order
@@ -283,7 +283,7 @@ def test_worker_saves_then_loads_into_other_blocks(tmp_path: Path) -> None:
 
 
 def test_worker_reports_every_block_of_a_failed_load(caplog: pytest.LogCaptureFixture) -> None:
-    from bench.sidecar import free_port
+    from bench.common.sidecar import free_port
     from kvstore.client.kvclient import KVClient
 
     client = KVClient(f"127.0.0.1:{free_port()}", timeout_s=2)  # nothing listens there

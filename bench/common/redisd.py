@@ -18,7 +18,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from bench.sidecar import free_port
+from bench.common.sidecar import free_port
 
 NUM_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000

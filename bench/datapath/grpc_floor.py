@@ -1,6 +1,6 @@
 """The floor of a gRPC stream in Python: a bare grpc.aio server streaming prebuilt bytes.
 
-`kvsieve bench transfer` runs it as its own process (`python -m bench.grpc_floor SIZE
+`kvsieve bench transfer` runs it as its own process (`python -m bench.datapath.grpc_floor SIZE
 COUNT`): one unary-stream method whose messages are `COUNT` byte strings of `SIZE`
 bytes, with no protobuf (identity serializers) and no work per message. What a client
 receives from it per second is what grpcio itself gives on this machine, the bound on

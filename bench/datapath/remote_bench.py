@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.common.redisd import RedisNode
-from bench.store_bench import SMOLLM2_SHAPE
+from bench.datapath.store_bench import SMOLLM2_SHAPE
 from kvstore.config import StoreConfig
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.store.tiered import TieredStore
@@ -138,7 +138,7 @@ def _store_latency(server: RedisNode, tmp: Path, num_tokens: int, repeats: int) 
 
 def _ttft(server: RedisNode, tmp: Path, num_tokens: int) -> dict[str, Any]:
     from bench.common.texts import token_windows
-    from bench.ttft_bench import _question, _ttft
+    from bench.datapath.ttft_bench import _question, _ttft
     from engine_adapter.runner.engine import Engine
     from engine_adapter.runner.model import load_model
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.cache import make_cold, timed_seq_read_mb_s, write_seq_file
+from bench.datapath.page_cache import make_cold, timed_seq_read_mb_s, write_seq_file
 from kvstore.config import StoreConfig
 from kvstore.format.chunk import ChunkId, decode_chunk, encode_chunk
 from kvstore.load.assemble import place_chunks

@@ -2,7 +2,7 @@
 
 A 2,048-token SmolLM2-shaped prefix (random fp16 KV, 47 MB) is stored into a fresh
 LMDB-backed store in each layout, then loaded from a restarted store: cold (page cache
-dropped where allowed: see bench/cache.py), warm (a second full load, now from memory),
+dropped where allowed: see bench/datapath/page_cache.py), warm (a second full load, now from memory),
 and a static 0.25 budget load. For the layered layout, `layer_read_0_25_ms` is one
 query-aware pass over a warm store: `open_layers`, then for every layer its key summary
 and `read_layer` of a quarter of the chunks. Each figure is the median of the runs;
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.cache import make_cold
-from bench.store_bench import SMOLLM2_SHAPE
+from bench.datapath.page_cache import make_cold
+from bench.datapath.store_bench import SMOLLM2_SHAPE
 from kvstore.config import StoreConfig
 from kvstore.load.buffers import keep_large_buffers
 from kvstore.store.tiered import TieredStore

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cache import make_cold
 from bench.common.texts import token_windows
+from bench.datapath.page_cache import make_cold
 from importance.layout import budget_to_tokens
 from importance.scorers import (
     PrefillScorer,

@@ -15,7 +15,7 @@ SmolLM2-135M's config and one shaped like an 8B Llama):
 - `ttft_gpu_recompute_s_N` / `ttft_gpu_load_s_N` (8B-shaped) and `..._smol_N`: the prompt's
   first-token time computing all N tokens, against copying N-64 tokens' KV from host memory
   through that staged path and computing the last 64 (no store: the raw model).
-- Through `Engine` from a real store, in `dtype` (bench/gpu_engine.py): recompute, full loads
+- Through `Engine` from a real store, in `dtype` (bench/datapath/gpu_engine.py): recompute, full loads
   warm and cold, query-aware loads, the split, storing during prefill, and from the memory
   tier's own buffers `h2d_vs_pinned_floor` (target >= 0.8) and `overlap_hidden_fraction`
   (target >= 0.8).
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.gpu_engine import shape_figures
+from bench.datapath.gpu_engine import shape_figures
 from engine_adapter.runner.device import KVTransfer
 from kvstore.load.device import DeviceCopier
 
@@ -46,7 +46,7 @@ HEAD_DIM = 128  # the 8B shape's (4096 / 32)
 
 
 def run(quick: bool = False, dtype: str = "float16") -> dict[str, Any]:
-    """The figures as one flat dict (see module docstring and bench/gpu_engine.py)."""
+    """The figures as one flat dict (see module docstring and bench/datapath/gpu_engine.py)."""
     result: dict[str, Any] = {"cuda_available": torch.cuda.is_available()}
     result.update(_cpu_side(tokens=512 if quick else 4096))
     if not torch.cuda.is_available():

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.cache import cold_seq_read_mb_s, make_cold
 from bench.common.texts import stream_windows, token_windows
+from bench.datapath.page_cache import cold_seq_read_mb_s, make_cold
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 

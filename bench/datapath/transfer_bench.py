@@ -23,9 +23,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench import grpc_floor
 from bench.common.sidecar import Sidecar
-from bench.store_bench import SMOLLM2_SHAPE
+from bench.datapath import grpc_floor
+from bench.datapath.store_bench import SMOLLM2_SHAPE
 from kvstore.client.kvclient import KVClient
 from kvstore.load.assemble import place_chunks
 from kvstore.load.buffers import keep_large_buffers
@@ -185,12 +185,12 @@ class _HealthClient:
 
 
 def _grpc_floor_mb_s(nbytes: int, repeats: int) -> float:
-    """MB/s of a bare gRPC stream (bench/grpc_floor.py, its own process) carrying `nbytes` in
+    """MB/s of a bare gRPC stream (bench/datapath/grpc_floor.py, its own process) carrying `nbytes` in
     messages of one SmolLM2 block each, as the Load stream batches them."""
     size = 16 * MODEL.token_bytes * 16  # 16 chunks of 16 tokens: one block per message
     count = max(1, nbytes // size)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.grpc_floor", str(size), str(count)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", grpc_floor.__name__, str(size), str(count)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None

@@ -6,7 +6,7 @@ keys decoded from the key summary (for `lowbit2`: every key at 2 bits), forces t
 prefix's first and last tokens in (attention sinks and the recent context), then
 takes chunks by estimated attention mass until the budget is spent. The engine's
 layer-by-layer load (engine_adapter/runner/layered.py) and the benchmark's `qa_lowbit2`
-method (bench/quality_methods.py) both call `choose_layer_chunks`, so the
+method (bench/quality/methods.py) both call `choose_layer_chunks`, so the
 benchmark measures the product's choice. docs/importance.md has the measurements.
 """
 

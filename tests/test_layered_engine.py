@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.common.texts import token_windows
-from bench.quality_bench import SHIPPED_CONFIG, forward, prefix_state
-from bench.quality_masking import MaskPlan, masking
+from bench.quality.masking import MaskPlan, masking
+from bench.quality.quality_bench import SHIPPED_CONFIG, forward, prefix_state
 from engine_adapter.reports import print_layered
 from engine_adapter.runner.array_layers import ArrayLayers
 from engine_adapter.runner.layered import CHOOSE_WITH_LAST, chunk_positions, layer_queries, layered_prefill

@@ -1,12 +1,20 @@
-"""The layered layout's static fallback in the quality benchmark (bench/quality_methods.py `static_c8*`)."""
+"""The layered layout's static fallback in the quality benchmark (bench/quality/methods.py `static_c8*`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.quality_bench import AUTO, SHIPPED_CONFIG, WINDOWS_ENV, Job, _budget_for, _own_auto, windows
-from bench.quality_methods import STATIC_CHUNK_TOKENS, static_chunks
+from bench.quality.methods import STATIC_CHUNK_TOKENS, static_chunks
+from bench.quality.quality_bench import (
+    AUTO,
+    SHIPPED_CONFIG,
+    WINDOWS_ENV,
+    Job,
+    _budget_for,
+    _own_auto,
+    windows,
+)
 from importance.summaries import FixedBudget
 
 

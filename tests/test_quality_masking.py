@@ -1,4 +1,4 @@
-"""The quality benchmark's simulated partial loads equal real partial caches (bench/quality_masking.py)."""
+"""The quality benchmark's simulated partial loads equal real partial caches (bench/quality/masking.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from bench.common.texts import token_windows
-from bench.quality_bench import forward, prefix_state
-from bench.quality_masking import MaskPlan, masking
-from bench.quality_methods import QAConfig, chooser
+from bench.quality.masking import MaskPlan, masking
+from bench.quality.methods import QAConfig, chooser
+from bench.quality.quality_bench import forward, prefix_state
 from importance.summaries import FixedBudget
 
 pytestmark = [pytest.mark.model]

@@ -1,4 +1,4 @@
-"""The bounded top-up during decoding (bench/quality_topup.py) and per-row masks in the masking hook."""
+"""The bounded top-up during decoding (bench/quality/topup.py) and per-row masks in the masking hook."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bench.common.texts import token_windows
-from bench.quality_bench import SHIPPED_CONFIG, forward, prefix_state
-from bench.quality_masking import MaskPlan, masking
-from bench.quality_methods import chooser
-from bench.quality_topup import extender, top_up
+from bench.quality.masking import MaskPlan, masking
+from bench.quality.methods import chooser
+from bench.quality.quality_bench import SHIPPED_CONFIG, forward, prefix_state
+from bench.quality.topup import extender, top_up
 from importance.summaries import ChunkLayout, FixedBudget
 
 LAYOUT = ChunkLayout.natural(64, 8)  # 8 chunks of 8 tokens

@@ -1,4 +1,4 @@
-"""The selection methods compared by `kvsieve bench quality`, as choosers for bench.quality_masking.
+"""The selection methods compared by `kvsieve bench quality`, as choosers for bench.quality.masking.
 
 Every method turns a budget into a keep mask per layer (and per KV head where it
 selects per head). Bytes are counted per layer and head: a method delivers
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.quality_masking import Chooser
+from bench.quality.masking import Chooser
 from importance.query_select import choose_layer_chunks
 from importance.selection import choose_chunks, edge_chunks, mix_static, reads_summary
 from importance.summaries import (

@@ -6,7 +6,7 @@ text and an uncached tail of the same text, shorter than a block), stored throug
 `TieredStore` in the layered layout; then generic questions close the message. The full
 prefix's greedy answer (budget 1.0, everything loaded) is teacher-forced at budget 0.25,
 where the engine takes the layer-by-layer path, for each `choose_with_last` K: answer
-top-1 agreement and KL against the full prefix (bench/quality_bench.py `agreement`), and the
+top-1 agreement and KL against the full prefix (bench/quality/quality_bench.py `agreement`), and the
 bytes read as a fraction of the prefix's (summaries and top-ups counted). Rows:
 
 - `all`, `last32`, `last16`, `last8`: `choose_with_last` K, no top-up (the choice alone);
@@ -17,7 +17,7 @@ bytes read as a fraction of the prefix's (summaries and top-ups counted). Rows:
 - `no_topup_<budget>`: no top-up, at a larger budget (the top-up's extra bytes spent up front);
 - `engine_<budget>`: the shipped default at a smaller budget (the top-up's bytes paid from the first choice).
 
-    .venv/bin/python -m bench.quality_engine --windows 6 [--rows last16,engine,topup_0_05]
+    .venv/bin/python -m bench.quality.through_engine --windows 6 [--rows last16,engine,topup_0_05]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench.common.texts import token_windows
-from bench.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
+from bench.quality.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
 
 PREFIX, BLOCK, BUDGET = 1024, 256, 0.25
 #: Uncached tails (tokens of the document after its last whole block), cycled over windows.
@@ -93,7 +93,7 @@ def run(
             for number, (name, ids) in enumerate(windows):
                 tail = TAILS[number % len(TAILS)]
                 print(
-                    f"quality_engine: window {number + 1}/{len(windows)} {name} tail {tail}", file=sys.stderr
+                    f"through_engine: window {number + 1}/{len(windows)} {name} tail {tail}", file=sys.stderr
                 )
                 document = (head + ids)[: PREFIX + tail]
                 Engine(lm, store).prefill(document)  # stores the document's whole blocks

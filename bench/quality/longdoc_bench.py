@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from bench.common.texts import stream_windows
-from bench.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
+from bench.quality.quality_bench import ANSWER, QUESTIONS, SYSTEM, agreement
 
 BLOCK = 256
 BUDGETS = (0.1, 0.25)

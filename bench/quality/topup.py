@@ -7,9 +7,9 @@ chunk's share of that query's attention over the prefix, and the missing chunks
 whose share exceeds `theta` are fetched, largest share first, while the layer's
 fetched tokens stay within `cap` of the prefix's tokens. A chunk fetched at step t
 is visible to query t and every later one, never to earlier ones (per query row
-masks: bench/quality_masking.py `RowExtender`).
+masks: bench/quality/masking.py `RowExtender`).
 
-    PYTHONPATH=$PWD OPENBLAS_NUM_THREADS=1 python -m bench.quality_topup --windows 6 --budget 0.25
+    PYTHONPATH=$PWD OPENBLAS_NUM_THREADS=1 python -m bench.quality.topup --windows 6 --budget 0.25
 
 Prints one JSON object (the means over every question) and, with `--records`,
 appends each window's per-item figures to a file as JSON lines.
@@ -29,9 +29,16 @@ import numpy as np
 import torch
 
 from bench.common.texts import token_windows
-from bench.quality_bench import QUESTIONS, SHIPPED_CONFIG, agreement, forward, prefix_state, question_item
-from bench.quality_masking import MaskPlan, RowExtender, masking
-from bench.quality_methods import PrefixState, chooser, summary_charge
+from bench.quality.masking import MaskPlan, RowExtender, masking
+from bench.quality.methods import PrefixState, chooser, summary_charge
+from bench.quality.quality_bench import (
+    QUESTIONS,
+    SHIPPED_CONFIG,
+    agreement,
+    forward,
+    prefix_state,
+    question_item,
+)
 from importance.summaries import ChunkLayout, FixedBudget, chunk_mass
 
 Array = np.ndarray[Any, Any]
@@ -160,14 +167,14 @@ def compare(
 
 def run(windows: int, first: int, jobs: Sequence[Row], questions: int, sink: Path | None) -> dict[str, Any]:
     """Mean figures per row over `windows` windows x `questions` questions."""
-    from bench.quality_bench import CONTINUATION, PREFIX, SYSTEM
+    from bench.quality.quality_bench import CONTINUATION, PREFIX, SYSTEM
     from engine_adapter.runner.model import load_model
 
     lm = load_model(quiet=True)
     head = lm.tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
     records: dict[str, list[dict[str, float]]] = {}
     with masking(lm.model), torch.inference_mode():
-        # the same windows and prompts as bench/quality_bench.py's `evaluate`
+        # the same windows and prompts as bench/quality/quality_bench.py's `evaluate`
         chosen = token_windows(lm.tokenizer, PREFIX + CONTINUATION, first + windows)[first:]
         for number, (name, ids) in enumerate(chosen):
             print(f"topup: window {number + 1}/{windows} {name}", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """Variants of query-aware selection, compared at one budget (the exploration behind docs/importance.md).
 
-    PYTHONPATH=$PWD OPENBLAS_NUM_THREADS=1 python -m bench.quality_variants --windows 4 --budget 0.25
+    PYTHONPATH=$PWD OPENBLAS_NUM_THREADS=1 python -m bench.quality.variants --windows 4 --budget 0.25
     ... --prefix 4096 --variants shipped,H8,L4,imp8 --methods qa_lowbit2,qa_lowbit1,qa_probe2
 
 Prints one line per (workload, variant:method) with the mean figures. Not a published
@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from bench.quality_bench import PREFIX, QUESTIONS, SHIPPED_CONFIG, Job, evaluate
-from bench.quality_methods import QAConfig
+from bench.quality.methods import QAConfig
+from bench.quality.quality_bench import PREFIX, QUESTIONS, SHIPPED_CONFIG, Job, evaluate
 
 BASE = QAConfig()
 VARIANTS = {

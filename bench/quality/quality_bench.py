@@ -2,7 +2,7 @@
 
 Real KV and real attention from SmolLM2-135M over windows of 1,024 tokens of
 Debian's license texts (bench/common/texts.py). Partial loads are simulated by masking
-inside the attention (bench/quality_masking.py: tokens keep their true positions;
+inside the attention (bench/quality/masking.py: tokens keep their true positions;
 tests check the masking against real partial caches). Every method delivers the
 same bytes at 0.1 / 0.25 / 0.5 of the prefix (summaries included) and at `auto`
 (the shipped method's coverage rule decides, the others get what it delivered).
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from bench.common.texts import stream_windows, token_windows
-from bench.quality_masking import MaskPlan, masking, plans_active
-from bench.quality_methods import PrefixState, QAConfig, chooser, summary_charge
+from bench.quality.masking import MaskPlan, masking, plans_active
+from bench.quality.methods import PrefixState, QAConfig, chooser, summary_charge
 from importance.scorers import PrefillScorer, PrefixEvidence
 from importance.summaries import AutoBudget, Budget, FixedBudget
 
@@ -38,7 +38,7 @@ BUDGETS: tuple[float | str, ...] = (0.1, 0.25, 0.5, "auto")
 AUTO = AutoBudget(coverage=0.9, min_fraction=0.1, max_fraction=0.5)
 SUMMARIES = ("minmax", "mean", "lowbit2")
 SHIPPED = "lowbit2"
-#: Chosen from bench/quality_variants.py runs (docs/importance.md): 8-token chunks (the low-bit
+#: Chosen from bench/quality/variants.py runs (docs/importance.md): 8-token chunks (the low-bit
 #: summary costs the same at any chunk size), one choice per layer, first and last 16 tokens kept.
 SHIPPED_CONFIG = QAConfig(chunk_tokens=8, per_kv_head=False, sink_chunks=2, recent_chunks=2)
 METHODS = (
@@ -52,7 +52,7 @@ METHODS = (
 )
 BATCH = 12  # rows per forward pass: batching the methods is ~2x faster on CPU
 #: Where each finished window's records are appended (JSON lines), if set: a long run
-#: that is stopped keeps its windows, and `python -m bench.quality_bench FILE` summarises them.
+#: that is stopped keeps its windows, and `python -m bench.quality.quality_bench FILE` summarises them.
 RECORDS_ENV = "KVSIEVE_QUALITY_RECORDS"
 #: How many windows a full-size run measures (default 20): fewer for a run that must fit a time.
 WINDOWS_ENV = "KVSIEVE_QUALITY_WINDOWS"

@@ -18,7 +18,7 @@ from kvstore.errors import InvalidInputError
 #: the command line imports none of them (between them they pull torch, transformers, vLLM,
 #: redis and pyzmq), and only the one asked for is imported when the command runs.
 BENCHMARKS: dict[str, str] = {
-    "chaos": "bench.chaos_bench",
+    "chaos": "bench.chaos.chaos_bench",
     "dsl": "bench.dsl_bench",
     "events": "bench.events_bench",
     "gpu": "bench.datapath.gpu_bench",

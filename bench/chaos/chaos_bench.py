@@ -5,7 +5,7 @@ loads inline and through shared memory, SIGKILLs of the server (mid-store; then 
 restart on the same data directory) and of client processes (mid shared-memory
 load), bit flips in chunk records and in block metadata records while the server
 is down, then a full disk (a small tmpfs as the data directory, where this
-machine can mount one), then the layered layout's own phase (bench/chaos_layered.py:
+machine can mount one), then the layered layout's own phase (bench/chaos/layered.py:
 LoadLayers streams, flips in layer records and summaries, three sidecars of two
 geometries on one Redis). Every load is checked against what was stored: a load may
 miss, but any byte it returns must be the stored one (`wrong_kv` counts loads that
@@ -30,9 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from bench import chaos_faults as faults
-from bench import chaos_layered
-from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
+from bench.chaos import faults, layered
+from bench.chaos.faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
 from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
 from kvstore.config import store_data_file, store_lmdb_dir
@@ -304,10 +303,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         finally:
             chaos.server.kill()
         full_disk(Path(tmp), chaos.tally, disk_s)
-    layered = chaos_layered.run(layered_s)
+    layered_figures = layered.run(layered_s)
     return {
         **asdict(chaos.tally),
-        **layered,
+        **layered_figures,
         "prefixes_stored": len(chaos.prefixes),
         "seconds": round(time.monotonic() - started, 1),
     }

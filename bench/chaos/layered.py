@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from bench import chaos_faults as faults
-from bench.chaos_faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
+from bench.chaos import faults
+from bench.chaos.faults import BLOCK_TOKENS, MODEL, Prefix, make_prefix
 from bench.common.redisd import RedisNode, server_binary
 from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient

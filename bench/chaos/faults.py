@@ -147,7 +147,7 @@ def small_tmpfs(path: Path, size_bytes: int) -> Iterator[str]:
 
 def start_client(address: str, seed: int) -> subprocess.Popen[str]:
     """A client process storing and loading (shared memory) in a loop until killed."""
-    cmd = [sys.executable, "-m", "bench.chaos_faults", address, str(seed)]
+    cmd = [sys.executable, "-m", __name__, address, str(seed)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 

@@ -116,17 +116,17 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def require_sglang() -> Path:
-    """The SGLang environment's interpreter (bash bench/setup_sglang.sh); skip without it, or fail
+    """The SGLang environment's interpreter (bash bench/sglang/setup_sglang.sh); skip without it, or fail
     under KVSIEVE_REQUIRE_SGLANG=1 (.ci/run)."""
     import os
 
-    from bench.radix_bench import sglang_python
+    from bench.sglang.environment import sglang_python
 
     python = sglang_python()
     if not python.exists():
         if os.environ.get("KVSIEVE_REQUIRE_SGLANG") == "1":
             pytest.fail(f"KVSIEVE_REQUIRE_SGLANG=1 but there is no SGLang environment at {python}")
-        pytest.skip(f"no SGLang environment at {python} (bash bench/setup_sglang.sh)")
+        pytest.skip(f"no SGLang environment at {python} (bash bench/sglang/setup_sglang.sh)")
     return python
 
 

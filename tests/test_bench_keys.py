@@ -66,7 +66,7 @@ PUBLISHED = {
     "miss_lookup_s miss_save_copy_s miss_vllm_s miss_store_s",
     "events": "events_lost store_throughput_events_vs_off store_throughput_events_vs_off_disk",
 }
-# A peer's keys exist only where the peer can run (SGLang: bench/setup_sglang.sh);
+# A peer's keys exist only where the peer can run (SGLang: bench/sglang/setup_sglang.sh);
 # otherwise the first key, a string, says why, and none of the peer's keys is printed.
 PEER_KEYS = {
     "radix": (

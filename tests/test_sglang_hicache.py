@@ -1,7 +1,7 @@
 """kvsieve as SGLang's HiCache storage (engine_adapter/sglang, docs/sglang.md).
 
-The SGLang part runs SGLang's own code in its environment (bash bench/setup_sglang.sh):
-one subprocess (bench/sglang_hicache_driver.py scenarios) starts a real sidecar, lets
+The SGLang part runs SGLang's own code in its environment (bash bench/sglang/setup_sglang.sh):
+one subprocess (bench/sglang/hicache_driver.py scenarios) starts a real sidecar, lets
 SGLang's factory load the backend by "dynamic", drives it with SGLang's host KV pools
 and reports what it saw; the tests below judge each observation. Without that
 environment they are skipped, unless KVSIEVE_REQUIRE_SGLANG=1 (.ci/run).
@@ -33,7 +33,7 @@ from kvstore.client.kvclient import KVClient
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 
-DRIVER = Path(__file__).resolve().parent.parent / "bench" / "sglang_hicache_driver.py"
+DRIVER = Path(__file__).resolve().parent.parent / "bench" / "sglang" / "hicache_driver.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Real components for driving kvsieve's SGLang backend with SGLang's own code.
 
-Imported inside the SGLang environment only (bench/sglang_hicache_driver.py): real
+Imported inside the SGLang environment only (bench/sglang/hicache_driver.py): real
 `kvsieve serve` sidecars (run by kvsieve's interpreter), SGLang's host KV pools built
 on the CPU, SGLang's storage config and factory, and byte comparisons of pages that
 do not go through the backend's own code.

@@ -10,8 +10,8 @@ Each request is matched, then its new full blocks are inserted, in trace order,
 through both trees; match and insert are timed separately per request. kvsieve's
 tree is keyed by block keys: they are computed before the timed insert (the store
 computes them anyway for its tiers) and their cost is reported as `keys_us_kvsieve`.
-SGLang's side runs in a throwaway environment built by `bench/setup_sglang.sh`, as
-a subprocess (`bench/sglang_radix_driver.py`) replaying the same trace file; if
+SGLang's side runs in a throwaway environment built by `bench/sglang/setup_sglang.sh`, as
+a subprocess (`bench/sglang/radix_driver.py`) replaying the same trace file; if
 that environment is missing or SGLang cannot be imported, the kvsieve figures are
 still reported and `sglang_unavailable` says why.
 
@@ -35,13 +35,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from bench.sglang.environment import sglang_python
 from kvstore.keys import block_keys
 from radix import RadixTree
 
 BLOCK_TOKENS = 256
 VOCAB = 49_152
-SGLANG_ENV = Path.home() / ".cache" / "kvsieve" / "sglang-venv"
-_DRIVER = Path(__file__).with_name("sglang_radix_driver.py")
+_DRIVER = Path(__file__).with_name("radix_driver.py")
 _ROOT = "bench"
 _FINGERPRINT = bytes(16)
 _NAMESPACE = bytes(16)
@@ -162,11 +162,6 @@ def kvsieve_bytes_per_block(trace: Trace) -> float:
     return kept / tree.num_blocks
 
 
-def sglang_python() -> Path:
-    """The interpreter of the SGLang environment (`KVSIEVE_SGLANG_PYTHON` overrides)."""
-    return Path(os.environ.get("KVSIEVE_SGLANG_PYTHON", SGLANG_ENV / "bin" / "python"))
-
-
 def run_sglang(trace: Trace) -> dict[str, Any]:
     """Replay `trace` through SGLang's RadixCache in its own environment.
 
@@ -174,7 +169,7 @@ def run_sglang(trace: Trace) -> dict[str, Any]:
     """
     python = sglang_python()
     if not python.exists():
-        reason = f"no SGLang environment at {python}: build it with bash bench/setup_sglang.sh"
+        reason = f"no SGLang environment at {python}: build it with bash bench/sglang/setup_sglang.sh"
         return {"sglang_unavailable": reason}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.npz"

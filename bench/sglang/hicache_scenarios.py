@@ -1,7 +1,7 @@
 """The scenarios tests/test_sglang_hicache.py checks, run with SGLang's own code.
 
 Each returns observations (flags, counts, byte comparisons), never a verdict: the
-test judges them. Run by `bench/sglang_hicache_driver.py scenarios`.
+test judges them. Run by `bench/sglang/hicache_driver.py scenarios`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     PoolTransfer,
 )
 
-from bench.sglang_hicache_parts import (
+from bench.sglang.hicache_parts import (
     SMALL,
     Sidecar,
     attach,

@@ -1,6 +1,6 @@
-"""Replays a `bench/radix_bench.py` trace through SGLang's RadixCache; prints one JSON line.
+"""Replays a `bench/sglang/radix_bench.py` trace through SGLang's RadixCache; prints one JSON line.
 
-Runs inside the throwaway SGLang environment (`bench/setup_sglang.sh`), never in
+Runs inside the throwaway SGLang environment (`bench/sglang/setup_sglang.sh`), never in
 kvsieve's: it imports only numpy, torch and sglang. Usage: `python THIS TRACE.npz`
 (`--check`: only import).
 

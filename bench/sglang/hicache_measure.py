@@ -1,6 +1,6 @@
-"""The figures of `kvsieve bench sglang` (bench/sglang_bench.py), measured with SGLang's code.
+"""The figures of `kvsieve bench sglang` (bench/sglang/sglang_bench.py), measured with SGLang's code.
 
-Run by `bench/sglang_hicache_driver.py bench`: pages of SmolLM2-135M's geometry in
+Run by `bench/sglang/hicache_driver.py bench`: pages of SmolLM2-135M's geometry in
 SGLang's host pools, against one real sidecar, beside kvsieve's own shared-memory
 client on the same sidecar.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.sglang_hicache_parts import (
+from bench.sglang.hicache_parts import (
     BLOCK_TOKENS,
     SMOLLM2,
     Sidecar,

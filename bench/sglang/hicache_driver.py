@@ -1,17 +1,17 @@
 """Drives kvsieve's SGLang HiCache backend with SGLang's own code; prints one JSON line.
 
-Runs inside the SGLang environment (`bench/setup_sglang.sh`), never in kvsieve's:
+Runs inside the SGLang environment (`bench/sglang/setup_sglang.sh`), never in kvsieve's:
 SGLang's `StorageBackendFactory` loads `engine_adapter.sglang.backend.KvsieveStorage`
 by "dynamic", SGLang's host KV pools (`MHATokenToKVPoolHost`, `MLATokenToKVPoolHost`,
 built on the CPU) hold the pages, and real `kvsieve serve` sidecars, started here
 with kvsieve's interpreter, store them.
 
     python THIS scenarios --kvsieve-python PY --work DIR   (what tests/test_sglang_hicache.py checks)
-    python THIS bench --kvsieve-python PY --work DIR [--quick]   (bench/sglang_bench.py's figures)
+    python THIS bench --kvsieve-python PY --work DIR [--quick]   (bench/sglang/sglang_bench.py's figures)
     python THIS --check                                      (only import)
 
-The scenarios are in bench/sglang_hicache_scenarios.py, the measurements in
-bench/sglang_hicache_measure.py, what both drive in bench/sglang_hicache_parts.py;
+The scenarios are in bench/sglang/hicache_scenarios.py, the measurements in
+bench/sglang/hicache_measure.py, what both drive in bench/sglang/hicache_parts.py;
 this file only prepares the interpreter (torchvision's two schemas) and dispatches.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 
 def _declare_torchvision_ops() -> Any:
-    """Let torchvision's Python side import against the CPU torch (see sglang_radix_driver.py)."""
+    """Let torchvision's Python side import against the CPU torch (see radix_driver.py)."""
     lib = torch.library.Library("torchvision", "DEF")
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -36,7 +36,7 @@ def _declare_torchvision_ops() -> Any:
 
 
 _TORCHVISION_OPS = _declare_torchvision_ops()
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvsieve's checkout, whatever the cwd
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # kvsieve's checkout, whatever the cwd
 
 
 def main() -> None:
@@ -49,19 +49,19 @@ def main() -> None:
     parser.add_argument("--redis-url", help="scenarios: also share pages through this Redis")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the backend's expected misses log warnings
-    from bench import sglang_hicache_measure, sglang_hicache_parts, sglang_hicache_scenarios
+    from bench.sglang import hicache_measure, hicache_parts, hicache_scenarios
 
     if args.check or args.mode is None:
-        sglang_hicache_parts.check_imports()
+        hicache_parts.check_imports()
         print("sglang HiCache backend imports")
         return
     if args.work is None:
         parser.error("--work DIR is required")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.mode == "scenarios":
-        out = sglang_hicache_scenarios.scenarios(args.kvsieve_python, args.work, args.redis_url)
+        out = hicache_scenarios.scenarios(args.kvsieve_python, args.work, args.redis_url)
     else:
-        out = sglang_hicache_measure.measure(args.kvsieve_python, args.work, quick=args.quick)
+        out = hicache_measure.measure(args.kvsieve_python, args.work, quick=args.quick)
     print(json.dumps(out))
 
 

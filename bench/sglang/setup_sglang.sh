@@ -2,7 +2,7 @@
 # Builds the throwaway environment in which `kvsieve bench radix` runs SGLang's RadixCache and
 # `kvsieve bench sglang` / tests/test_sglang_hicache.py run kvsieve as SGLang's HiCache storage.
 #
-#   bash bench/setup_sglang.sh [DIR]     (default ~/.cache/kvsieve/sglang-venv; ~2.5 GB, a few minutes)
+#   bash bench/sglang/setup_sglang.sh [DIR]     (default ~/.cache/kvsieve/sglang-venv; ~2.5 GB, a few minutes)
 #
 # Never kvsieve's own venv (.ci/run builds this one beside it when missing): sglang pins a
 # newer (CUDA) torch, so it is installed with --no-deps next to the CPU torch==2.13.0, plus
@@ -31,16 +31,16 @@ pip=("$dir/bin/pip" install -q --disable-pip-version-check --no-deps)
 import torch
 assert torch.__version__ == "2.13.0+cpu", f"expected the CPU torch 2.13.0, got {torch.__version__}"
 EOF
-"$dir/bin/python" "$(dirname "$0")/sglang_radix_driver.py" --check
+"$dir/bin/python" "$(dirname "$0")/radix_driver.py" --check
 # kvsieve's SGLang HiCache backend (docs/sglang.md) runs in this environment: kvsieve's client
 # needs grpcio, protobuf and xxhash beside SGLang's numpy (pinned, --no-deps as above), and the
 # checkout on sys.path (a .pth file: what an editable install amounts to, with no build step
 # that could pull a build backend). The sidecar itself always runs in kvsieve's own venv.
 "${pip[@]}" grpcio==1.85.3 protobuf==7.36.2 xxhash==4.1.0
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
 "$dir/bin/python" -c 'import site, sys; print(site.getsitepackages()[0])' | {
   read -r site_dir
   echo "$repo" > "$site_dir/kvsieve-checkout.pth"
 }
-"$dir/bin/python" "$(dirname "$0")/sglang_hicache_driver.py" --check
+"$dir/bin/python" "$(dirname "$0")/hicache_driver.py" --check
 echo "SGLang environment ready: $dir"

@@ -1,8 +1,8 @@
 """`kvsieve bench sglang`: kvsieve as SGLang's HiCache storage, measured with SGLang's own code.
 
-The measurement runs in the SGLang environment that `bench/setup_sglang.sh` builds
+The measurement runs in the SGLang environment that `bench/sglang/setup_sglang.sh` builds
 (SGLang on the CPU torch, kvsieve's client beside it), as a subprocess
-(`bench/sglang_hicache_driver.py bench`): SGLang's factory loads the backend by
+(`bench/sglang/hicache_driver.py bench`): SGLang's factory loads the backend by
 "dynamic", SGLang's host KV pools hold pages of SmolLM2-135M's geometry (30 layers,
 3 KV heads, head dim 64, fp16, page size 64: 1,474,560 bytes a page), and a real
 `kvsieve serve` started with this interpreter stores them. Without that environment
@@ -32,16 +32,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.radix_bench import sglang_python
+from bench.sglang.environment import sglang_python
 
-_DRIVER = Path(__file__).with_name("sglang_hicache_driver.py")
+_DRIVER = Path(__file__).with_name("hicache_driver.py")
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns the JSON object `kvsieve bench sglang --json` prints."""
     python = sglang_python()
     if not python.exists():
-        reason = f"no SGLang environment at {python}: build it with bash bench/setup_sglang.sh"
+        reason = f"no SGLang environment at {python}: build it with bash bench/sglang/setup_sglang.sh"
         return {"sglang_unavailable": reason}
     with tempfile.TemporaryDirectory() as work:
         cmd = [str(python), str(_DRIVER), "bench", "--kvsieve-python", sys.executable, "--work", work]

@@ -32,7 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "store": "bench.datapath.store_bench",
     "transfer": "bench.datapath.transfer_bench",
     "ttft": "bench.datapath.ttft_bench",
-    "vllm": "bench.vllm_bench",
+    "vllm": "bench.vllm.vllm_bench",
 }
 #: The benchmarks `--plot` draws (bench/common/plots.py has `plot_NAME` for each).
 PLOTTED = ("ttft", "readamp", "quality", "longdoc")

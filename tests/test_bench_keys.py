@@ -95,7 +95,7 @@ PEER_KEYS = {
 }
 # "vllm" is not run here: even --quick starts vLLM four times (minutes), past CI's budget for
 # the vLLM integration; tests/test_vllm.py covers the connector, the figures are in docs/performance.md.
-# `kvsieve bench vllm --concurrency C` adds these (bench/vllm_load.py), checked below on its summary.
+# `kvsieve bench vllm --concurrency C` adds these (bench/vllm/concurrency.py), checked below on its summary.
 VLLM_LOAD_KEYS = (
     "throughput_kvsieve_vs_plain p99_ttft_kvsieve_vs_prefix_cache p99_ttft_kvsieve_vs_prefix_cache_small "
     "throughput_kvsieve_vs_prefix_cache_small throughput_rps_plain throughput_rps_prefix_cache "
@@ -105,7 +105,7 @@ VLLM_LOAD_KEYS = (
 
 
 def test_vllm_load_summary_has_its_published_keys() -> None:
-    from bench.vllm_load import MODES, summarize
+    from bench.vllm.concurrency import MODES, summarize
 
     runs = {m: {"outputs": [[5]], "ttft_s": [0.5 + i], "elapsed_s": 1.0 + i} for i, m in enumerate(MODES)}
     figures = summarize(runs, [[1, 2, 3]], concurrency=1)

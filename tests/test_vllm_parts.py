@@ -446,7 +446,7 @@ def test_driver_lines_without_a_reply_are_log_text() -> None:
 
 
 def test_bench_counts_first_tokens_that_differ_from_recompute() -> None:
-    from bench.vllm_bench import Answer, first_token_mismatches
+    from bench.vllm.vllm_bench import Answer, first_token_mismatches
 
     recompute = [Answer(1.0, 11), Answer(1.1, 12), Answer(0.9, 13)]
     assert first_token_mismatches(recompute, [Answer(0.2, 11), Answer(0.3, 12), Answer(0.2, 13)]) == 0
@@ -456,7 +456,7 @@ def test_bench_counts_first_tokens_that_differ_from_recompute() -> None:
 
 
 def test_bench_breakdown_subtracts_the_parts_on_the_request_path_only() -> None:
-    from bench.vllm_bench import Answer, breakdown
+    from bench.vllm.vllm_bench import Answer, breakdown
 
     answers = [
         Answer(1.0, 1, {"lookup": 0.01, "fetch": 0.2, "copy": 0.1, "store": 5.0}),
@@ -498,7 +498,7 @@ def test_timing_log_lines_from_two_writers_are_read_in_order_from_an_offset(tmp_
 
 
 def test_load_stream_asks_every_document_once_per_round() -> None:
-    from bench.vllm_load import QUESTIONS, stream
+    from bench.vllm.concurrency import QUESTIONS, stream
 
     class Words:  # a tokenizer of this test's own: one id per character
         def encode(self, text: str) -> list[int]:
@@ -516,7 +516,7 @@ def test_load_stream_asks_every_document_once_per_round() -> None:
 
 
 def test_load_summary_ratios_come_from_each_modes_run() -> None:
-    from bench.vllm_load import MODES, summarize
+    from bench.vllm.concurrency import MODES, summarize
 
     prompts = [[1] * 100, [2] * 100]
     runs = {

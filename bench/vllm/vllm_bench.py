@@ -24,7 +24,7 @@ transfer, until the KV is in this process), `hit_copy_s` (into vLLM's paged cach
 vLLM's cache, in the step), `miss_vllm_s`, and `miss_store_s` (the background send,
 off the request's path).
 
-`--concurrency C` adds a load run (bench/vllm_load.py): throughput and TTFT
+`--concurrency C` adds a load run (bench/vllm/concurrency.py): throughput and TTFT
 percentiles under a stream of requests over shared documents.
 
 Every mode's first token is checked against recompute's for the same document
@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from bench.common.sidecar import Sidecar
 from bench.common.texts import QUESTION, token_windows
-from bench.vllm_load import run_load, sidecar_config
+from bench.vllm.concurrency import run_load, sidecar_config
 
 DOC_TOKENS = 2048
 #: Pause before each side-by-side prompt: the other process's threads and the sidecar go idle.

@@ -20,7 +20,7 @@ from kvstore.errors import InvalidInputError
 BENCHMARKS: dict[str, str] = {
     "chaos": "bench.chaos.chaos_bench",
     "dsl": "bench.dsl_bench",
-    "events": "bench.events_bench",
+    "events": "bench.events.events_bench",
     "gpu": "bench.datapath.gpu_bench",
     "layout": "bench.datapath.layout_bench",
     "longdoc": "bench.quality.longdoc_bench",

@@ -87,7 +87,7 @@ PEER_KEYS = {
         "roundtrip_exact wrong_pages batch_get_v1_vs_shm_load batch_set_v1_vs_shm_store "
         "batch_exists_128_vs_lookup",
     ),
-    # Dynamo's standalone indexer reads the sidecar's KV events (bench/setup_dynamo.sh).
+    # Dynamo's standalone indexer reads the sidecar's KV events (bench/events/setup_dynamo.sh).
     "events": (
         "dynamo_unavailable",
         "indexer_matched_fraction stale_after_removal restart_view_equal event_lag_p99_ms",

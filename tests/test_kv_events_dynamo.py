@@ -1,5 +1,5 @@
 """A real KV-aware router reads kvsieve's KV events: Dynamo's standalone indexer (a process, from
-the venv of bench/setup_dynamo.sh) subscribed to a real `kvsieve serve --kv-events`, prefixes
+the venv of bench/events/setup_dynamo.sh) subscribed to a real `kvsieve serve --kv-events`, prefixes
 stored through the sidecar with KVClient, and the indexer's `POST /query` compared with the store.
 
 One sidecar and one indexer for the module; the tests run in order (stored, restarted sidecar,
@@ -16,13 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from bench.dynamo_indexer import DynamoIndexer, dynamo_python
+from bench.events.dynamo_indexer import DynamoIndexer, dynamo_python
 
 PYTHON = dynamo_python()
 if PYTHON is None:
     if os.environ.get("KVSIEVE_REQUIRE_DYNAMO") == "1":
-        pytest.fail("the Dynamo venv is required (KVSIEVE_REQUIRE_DYNAMO=1): bash bench/setup_dynamo.sh")
-    pytest.skip("Dynamo venv missing (bash bench/setup_dynamo.sh)", allow_module_level=True)
+        pytest.fail(
+            "the Dynamo venv is required (KVSIEVE_REQUIRE_DYNAMO=1): bash bench/events/setup_dynamo.sh"
+        )
+    pytest.skip("Dynamo venv missing (bash bench/events/setup_dynamo.sh)", allow_module_level=True)
 pytest.importorskip("zmq")
 
 from conftest import TINY, corrupt_chunk, make_kv, make_tokens  # noqa: E402

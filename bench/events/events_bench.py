@@ -3,7 +3,7 @@
 In one run, on loopback (blocks of 256 tokens published as router blocks of 16):
 
 - `indexer_matched_fraction`: a `kvsieve serve --kv-events` and Dynamo's standalone indexer
-  (bench/setup_dynamo.sh) subscribed to it; 200 prefixes of two blocks (50 with --quick) stored
+  (bench/events/setup_dynamo.sh) subscribed to it; 200 prefixes of two blocks (50 with --quick) stored
   through KVClient; tokens the indexer's `/query` reports matched / tokens stored. Target 1.0.
 - `event_lag_p99_ms`: per store, from the acknowledged Store to the first `/query` that reports
   the whole prefix (queried back to back; each query is one HTTP round trip). Target <= 50 ms.
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from bench.common.sidecar import Sidecar, free_port
-from bench.dynamo_indexer import DynamoIndexer, dynamo_python
+from bench.events.dynamo_indexer import DynamoIndexer, dynamo_python
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.events.config import EventsConfig
@@ -58,7 +58,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         out |= _lost_and_throughput(Path(tmp), 2_000 if quick else 10_000, 200 if quick else 500)
         python = dynamo_python()
         if python is None:
-            out["dynamo_unavailable"] = "no Dynamo venv: bash bench/setup_dynamo.sh"
+            out["dynamo_unavailable"] = "no Dynamo venv: bash bench/events/setup_dynamo.sh"
         else:
             out |= _with_dynamo(Path(tmp), python, 50 if quick else 200)
     return out

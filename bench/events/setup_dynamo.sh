@@ -2,7 +2,7 @@
 # Builds the environment in which Dynamo's standalone KV indexer runs, the real router-side
 # consumer of `kvsieve serve --kv-events` (tests/test_kv_events_dynamo.py, `kvsieve bench events`).
 #
-#   bash bench/setup_dynamo.sh [DIR]     (default ~/.cache/kvsieve/dynamo-venv; ~250 MB, seconds)
+#   bash bench/events/setup_dynamo.sh [DIR]     (default ~/.cache/kvsieve/dynamo-venv; ~250 MB, seconds)
 #
 # A venv apart from kvsieve's own: ai-dynamo-runtime is a Rust extension with a few Python
 # dependencies and no torch; every package is pinned and installed with --no-deps, so that

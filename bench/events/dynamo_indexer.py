@@ -1,9 +1,9 @@
 """Dynamo's standalone KV indexer as a process: the router-side consumer of kvsieve's KV events.
 
-It runs from the venv `bench/setup_dynamo.sh` builds (ai-dynamo-runtime 1.6.1, no torch), as
+It runs from the venv `bench/events/setup_dynamo.sh` builds (ai-dynamo-runtime 1.6.1, no torch), as
 `python -m dynamo.indexer`, subscribes to a publisher over ZMQ and answers `POST /query` with
 the longest prefix of a token list that each worker holds (in tokens). Used by
-tests/test_kv_events_dynamo.py and bench/events_bench.py.
+tests/test_kv_events_dynamo.py and bench/events/events_bench.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from kvstore.errors import InvalidInputError
 #: redis and pyzmq), and only the one asked for is imported when the command runs.
 BENCHMARKS: dict[str, str] = {
     "chaos": "bench.chaos.chaos_bench",
-    "dsl": "bench.dsl_bench",
+    "dsl": "bench.dsl.dsl_bench",
     "events": "bench.events.events_bench",
     "gpu": "bench.datapath.gpu_bench",
     "layout": "bench.datapath.layout_bench",

@@ -19,7 +19,7 @@ from engine_adapter.runner.sampling import Sampling
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 CRITIC = "Does the answer above break any rule of polite conversation? Answer Yes or No."
 FOLLOW = "Suggest 3 short follow-up questions, one per line."

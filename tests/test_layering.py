@@ -292,7 +292,21 @@ FORBIDDEN = {
         "importance (layer 1) may not import radix",
     ),
     "third-party": ("radix/bad.py", "import torch\n", "radix may import only ['numpy']"),
-    "banned third-party": ("bench/bad.py", "import transformers\n", "bench may not import transformers"),
+    "banned third-party": (
+        "bench/datapath/bad.py",
+        "import transformers\n",
+        "bench.datapath may not import transformers",
+    ),
+    "bench subject beside another": (
+        "bench/quality/bad.py",
+        "from bench.datapath import page_cache\n",
+        "bench.quality (layer 13) may not import bench.datapath (layer 13)",
+    ),
+    "bench helpers upward": (
+        "bench/common/bad.py",
+        "from bench.quality import masking\n",
+        "bench.common (layer 12) may not import bench.quality (layer 13)",
+    ),
     "up inside kvstore": (
         "kvstore/tiers/bad.py",
         "from kvstore.store import tiered\n",
@@ -311,7 +325,7 @@ FORBIDDEN = {
     "root upward": (
         "kvstore/cli/main.py",
         "import engine_adapter.commands\n",
-        "kvstore.cli.main (layer 13) may not import engine_adapter",
+        "kvstore.cli.main (layer 15) may not import engine_adapter",
     ),
     "root computed name": (
         "kvstore/cli/main.py",
@@ -326,6 +340,9 @@ PACKAGE_DIRS = (
     "kvstore/tiers",
     "kvstore/rpc",
     "kvstore/client",
+    "bench/common",
+    "bench/datapath",
+    "bench/quality",
 )
 
 
@@ -353,7 +370,9 @@ def test_the_checker_flags_a_forbidden_edge(tmp_path: Path, case: str) -> None:
 def test_the_checker_passes_allowed_edges(tmp_path: Path) -> None:
     files = {
         "engine_adapter/ok.py": "import numpy\nfrom kvstore import store\nfrom . import engine\n",
-        "bench/ok.py": IL + 'from engine_adapter.engine import x\nimportlib.import_module("radix")\n',
+        "bench/datapath/ok.py": "from engine_adapter.runner import engine\nfrom bench.common import texts\n",
+        "bench/quality/ok.py": IL + 'importlib.import_module("kvstore.store")\n',
+        "bench/ok.py": "from bench.datapath import ok\nfrom kvstore.cli import flags\n",
         "kvstore/cli/main.py": "from kvstore.server import app\nfrom kvstore.store import tiered\n",
         "kvstore/tiers/ok.py": "import lmdb\nfrom kvstore import errors\n",
         "radix/ok.py": "import numpy as np\nimport os\n",

@@ -41,7 +41,7 @@ Array = np.ndarray[Any, Any]
 #: template's closing markers). The new tokens also hold the document's uncached tail
 #: (0-255 tokens short of a whole block), whose queries look at the document's own
 #: recent context, not at what the question needs; choosing with all of them made answers
-#: worse (issue #27). Through the engine (bench/quality_engine.py, 12 windows, budget 0.25,
+#: worse (issue #27). Through the engine (bench/quality/through_engine.py, 12 windows, budget 0.25,
 #: docs/importance.md "Choosing with the question"): answer KL 0.255 with every new token,
 #: 0.178 / 0.165 / 0.173 with the last 32 / 16 / 8; 16 is the lowest.
 CHOOSE_WITH_LAST = 16

@@ -10,7 +10,7 @@ largest share first, while the layer's fetched tokens stay within `cap` of the p
 tokens: one `LayeredLoad.read_layer` call per layer and step, for all chunks chosen there.
 Their KV (post-RoPE, as stored) is appended to the layer's cache tensors, so the current
 token's attention in that layer already sees them, and every later token too. This is
-the rule bench/quality_topup.py simulates (docs/importance.md).
+the rule bench/quality/topup.py simulates (docs/importance.md).
 
 Layers then hold different numbers of tokens. The model builds one attention mask from
 layer 0's length; the hook gives each layer its own: every cached token visible (the
@@ -46,7 +46,7 @@ from kvstore.load.buffers import StagingError
 
 Array = np.ndarray[Any, Any]
 #: Fetch a missing chunk when the summary gives it more than this share of the current
-#: token's attention over the prefix. Through the engine (bench/quality_engine.py, budget
+#: token's attention over the prefix. Through the engine (bench/quality/through_engine.py, budget
 #: 0.25, 1,024 tokens; docs/importance.md "Top-up in the engine").
 THETA = 0.02
 #: The most tokens one layer may fetch during an answer, as a fraction of the prefix's tokens.

@@ -4,6 +4,7 @@ in a subprocess, servers in a thread, a corrupted chunk."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
@@ -113,6 +114,39 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     node = RedisNode(tmp_path_factory.mktemp("redis")).start()
     yield node.url
     node.stop()
+
+
+#: A test that takes one of these needs redis-server: it is marked `redis` (pytest_collection_modifyitems).
+REDIS_FIXTURES = frozenset({"redis_url", "redis_cluster", "private_cluster"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `redis` every test that takes a Redis fixture, so that `-m redis` finds them all."""
+    for item in items:
+        if REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
+
+
+#: Extras of pyproject.toml that some tests need, with the modules that tell they are installed.
+EXTRAS = {"events": ("zmq", "msgspec"), "bench": ("matplotlib",)}
+
+
+def extra_installed(extra: str) -> bool:
+    """Whether every module of `extra` (EXTRAS) can be imported."""
+    return all(importlib.util.find_spec(module) is not None for module in EXTRAS[extra])
+
+
+def require_extra(extra: str) -> None:
+    """Skip without `extra`, or fail under KVSIEVE_REQUIRE_<EXTRA>=1 (.ci/run sets them). At a
+    module's top it skips the module."""
+    if not extra_installed(extra):
+        variable = f"KVSIEVE_REQUIRE_{extra.upper()}"
+        missing = (
+            f"the `{extra}` extra is not installed ({', '.join(EXTRAS[extra])}: pip install -e '.[{extra}]')"
+        )
+        if os.environ.get(variable) == "1":
+            pytest.fail(f"{variable}=1 but {missing}", pytrace=False)
+        pytest.skip(missing, allow_module_level=True)
 
 
 def require_sglang() -> Path:

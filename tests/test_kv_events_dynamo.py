@@ -25,9 +25,9 @@ if PYTHON is None:
             "the Dynamo venv is required (KVSIEVE_REQUIRE_DYNAMO=1): bash bench/events/setup_dynamo.sh"
         )
     pytest.skip("Dynamo venv missing (bash bench/events/setup_dynamo.sh)", allow_module_level=True)
-pytest.importorskip("zmq")
+from conftest import TINY, corrupt_chunk, make_kv, make_tokens, require_extra  # noqa: E402
 
-from conftest import TINY, corrupt_chunk, make_kv, make_tokens  # noqa: E402
+require_extra("events")  # the sidecar publishes its events with pyzmq
 
 from bench.common.sidecar import Sidecar, free_port  # noqa: E402
 from kvstore.client.kvclient import KVClient  # noqa: E402

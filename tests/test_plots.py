@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from conftest import extra_installed, require_extra
 
-pytest.importorskip("matplotlib")
+if not extra_installed("bench"):
+    require_extra("bench")  # matplotlib: skips this module, or fails it under KVSIEVE_REQUIRE_BENCH=1
 
 from bench.common.plots import plot_longdoc
 

@@ -41,7 +41,18 @@ def make_block(
     return meta, chunks
 
 
-@pytest.fixture(params=["memory", "memory-arena", "lmdb", "redis", "redis-cluster"])
+REDIS = pytest.mark.redis  # these two need redis-server
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        "memory-arena",
+        "lmdb",
+        pytest.param("redis", marks=REDIS),
+        pytest.param("redis-cluster", marks=REDIS),
+    ]
+)
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     if request.param == "memory":
         t = create_tier("memory", capacity_bytes=1 << 20)

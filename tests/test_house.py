@@ -8,7 +8,7 @@ import importlib
 from pathlib import Path
 
 import pytest
-from test_layering import PACKAGES, ROOT, edges_of, modules
+from import_graph import PACKAGES, ROOT, edges_of, modules
 
 RUNNER = "engine_adapter.runner"
 #: The faces at engine_adapter's top (commands, engine server, reports) and its package file.

@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, str] = {
 }
 #: The benchmarks `--plot` draws (bench/common/plots.py has `plot_NAME` for each).
 PLOTTED = ("ttft", "readamp", "quality", "longdoc")
+#: The benchmarks whose models run in a dtype `--dtype` names (their `run` takes `dtype`).
+DTYPED = ("gpu",)
 
 
 def register(commands: Subcommands) -> None:
@@ -60,12 +62,18 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
         help="vllm only: also run a stream of requests over shared documents, C in flight "
         "(throughput and TTFT p50/p99 of vLLM alone, with its prefix cache, with kvsieve)",
     )
+    p.add_argument(
+        "--dtype", choices=("float16", "bfloat16"),
+        help=f"{', '.join(DTYPED)} only: the half precision its models run in (default float16)",
+    )  # fmt: skip
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     _check_flags(args)
     module = importlib.import_module(BENCHMARKS[args.name])
-    extra = {"concurrency": args.concurrency} if args.concurrency else {}
+    extra: dict[str, object] = {"concurrency": args.concurrency} if args.concurrency else {}
+    if args.dtype:
+        extra["dtype"] = args.dtype
     result = module.run(quick=args.quick, **extra)
     if args.plot:
         from bench.common import plots
@@ -85,5 +93,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--concurrency applies to `kvsieve bench vllm` only, not {args.name!r}")
     if args.concurrency < 0:
         raise InvalidInputError(f"--concurrency must be >= 1 requests in flight, got {args.concurrency}")
+    if args.dtype and args.name not in DTYPED:
+        raise InvalidInputError(f"--dtype applies to {', '.join(DTYPED)} only, not {args.name!r}")
     if args.plot and args.name not in PLOTTED:
         raise InvalidInputError(f"--plot draws {', '.join(PLOTTED)} only, not {args.name!r}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import kvsieve
 
-from bench.commands import BENCHMARKS, PLOTTED
+from bench.commands import BENCHMARKS, DTYPED, PLOTTED
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Every name `kvsieve bench` took when each benchmark was `bench/NAME_bench.py`: none may go.
@@ -64,3 +64,17 @@ def test_plot_is_refused_before_a_benchmark_without_one_runs(tmp_path: Path) -> 
     result = kvsieve("bench", "store", "--plot", str(tmp_path / "store.png"))
     assert result.returncode == 2 and "--plot draws ttft, readamp, quality, longdoc only" in result.stderr
     assert not (tmp_path / "store.png").exists()
+
+
+def test_dtype_is_refused_where_no_model_runs_and_taken_where_one_does() -> None:
+    result = kvsieve("bench", "store", "--dtype", "bfloat16")
+    assert result.returncode == 2 and "--dtype applies to gpu only, not 'store'" in result.stderr
+    for name in DTYPED:
+        assert "dtype" in _signature_of_run(_source(BENCHMARKS[name]))
+
+
+def _signature_of_run(path: Path) -> set[str]:
+    run = next(
+        n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "run"
+    )
+    return {a.arg for a in run.args.args}

@@ -218,12 +218,22 @@ class TieredStore:
         counters["evictions.memory"] = self.index.memory_evictions
         if self.remote_link is not None:
             counters |= self.remote_link.counters()
+        if self.writer.behind is not None:
+            counters |= self.writer.behind.counters()
         tiers = {t.name: t.usage() for t in self.tiers.all}
         return StoreStats(counters, tiers, self.tree.num_blocks, len(self.leases), samples)
 
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every acknowledged block is on disk (the write-behind backlog committed).
+        True if it emptied within `timeout_s`; True at once with `sync_stores` or no disk."""
+        return self.writer.behind is None or self.writer.behind.flush(timeout_s)
+
     def close(self) -> None:
+        """Commit the disk backlog, drain the remote queue, close the tiers. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.writer.behind is not None:
+                self.writer.behind.close()  # before the remote link: a commit feeds its queue
             if self.remote_link is not None:
                 self.remote_link.close()  # drains queued remote writes first
             for tier in self.tiers.all:

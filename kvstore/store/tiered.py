@@ -114,6 +114,23 @@ class TieredStore:
         in_memory = self.memory.count_present(n.key for n in match.nodes)
         return LookupResult(match.num_tokens, len(match.nodes), in_memory)
 
+    def lookup_many(self, token_lists: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many rows of `token_lists` (k, n), from the first, are cached whole, each looked up
+        from the root on its own (pages filed as root-level blocks): one lock and one walk of the
+        index for all of them. Where the local index ends, blocks other sidecars put in the
+        remote tier are learned row by row, as `lookup` does."""
+        lists = np.asarray(token_lists)
+        if lists.ndim != 2 or lists.shape[1] == 0:
+            raise InvalidInputError(f"token_lists must have shape (lists, tokens > 0), got {lists.shape}")
+        root = self._root(model, namespace)
+        held = self.index.tree.leading_whole(root, lists)
+        if not self._local_only:  # the rest may be in the remote tier
+            n = lists.shape[1]
+            while held < len(lists) and self._match(root, as_token_array(lists[held])).num_tokens >= n:
+                held += 1
+        self.counters.add_many({"lookups": 1, "lookup_hits": int(held > 0)})
+        return held
+
     def store(
         self,
         tokens: Tokens,

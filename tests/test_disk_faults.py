@@ -230,7 +230,7 @@ def test_store_created_on_a_nearly_full_disk_leaves_no_half_file(tmpfs: Callable
 
 
 def test_deleted_data_file_over_grpc_is_unavailable(tmp_path: Path) -> None:
-    server = Sidecar(tmp_path / "data").start()
+    server = Sidecar(tmp_path / "data", ["--sync-stores"]).start()  # the write fails the Store
     try:
         with KVClient(server.address, use_shm=False) as client:
             client.store(make_tokens(32, seed=1), make_kv(WIDE, 32, 1), model=WIDE)

@@ -105,6 +105,6 @@ def test_pages_put_in_the_remote_tier_by_another_sidecar_are_learned(tmp_path: P
     with TieredStore(StoreConfig(remote_prefix=prefix, **common)) as writer:  # type: ignore[arg-type]
         for i in range(3):
             writer.store(lists[i], make_kv(TINY, 32, i), model=TINY)
-        assert writer.remote_link is not None and writer.remote_link.flush(30)
+        assert writer.flush(30)
     with TieredStore(StoreConfig(data_dir=tmp_path / "d", remote_prefix=prefix, **common)) as reader:  # type: ignore[arg-type]
         assert reader.lookup_many(lists, model=TINY) == 3

@@ -241,9 +241,14 @@ class TieredStore:
         return StoreStats(counters, tiers, self.tree.num_blocks, len(self.leases), samples)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait until every acknowledged block is on disk (the write-behind backlog committed).
-        True if it emptied within `timeout_s`; True at once with `sync_stores` or no disk."""
-        return self.writer.behind is None or self.writer.behind.flush(timeout_s)
+        """Wait until every acknowledged block is on disk (the write-behind backlog committed) and
+        the remote tier's queue has been attempted (it is fed after each commit). True if both
+        emptied within `timeout_s`; the disk part is done at once with `sync_stores` or no disk."""
+        deadline = time.monotonic() + timeout_s
+        done = self.writer.behind is None or self.writer.behind.flush(timeout_s)
+        if self.remote_link is not None:
+            done = self.remote_link.flush(max(0.0, deadline - time.monotonic())) and done
+        return done
 
     def close(self) -> None:
         """Commit the disk backlog, drain the remote queue, close the tiers. Idempotent."""

@@ -57,6 +57,16 @@ class StoreConfig:
             a full load reads one value per block). False writes layout v2, a value per layer
             record, which stores older than v3 read: for a remote tier shared with them during
             an upgrade. Both are read whatever this says.
+        sync_stores: write each Store's blocks to disk before acknowledging it (one synced LMDB
+            transaction per Store). False: a Store is acknowledged once memory holds its blocks
+            and lookups see them; the disk gets them behind, in group commits, and a crash loses
+            the blocks not yet committed (misses, never wrong KV; docs/reliability.md).
+        commit_blocks: most blocks in one group commit (one LMDB transaction) of the disk write-behind.
+        commit_ms: milliseconds the disk writer waits after a block for more before it commits.
+        disk_backlog_bytes: acknowledged bytes not yet on disk; past it a Store waits for the disk
+            (backlog_wait_s), then is refused (RESOURCE_EXHAUSTED), never dropped silently.
+        backlog_wait_s: seconds a Store waits for room under disk_backlog_bytes before it is
+            refused; 0 refuses at once.
     """
 
     data_dir: Path | None = None
@@ -82,6 +92,11 @@ class StoreConfig:
     layout: str = "layered"
     layer_chunk_tokens: int = 8
     layered_pack: bool = True
+    sync_stores: bool = False
+    commit_blocks: int = 64
+    commit_ms: float = 5.0
+    disk_backlog_bytes: int = 256 << 20
+    backlog_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:
@@ -106,6 +121,7 @@ class StoreConfig:
                 f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"
             )
         self._check_layout()
+        self._check_write_behind()
         self._check_remote()
         if self.data_dir is None and not self.has_remote and self.memory_bytes == 0:
             raise InvalidInputError("memory_bytes must be > 0 when there is no data_dir nor remote_url")
@@ -118,6 +134,15 @@ class StoreConfig:
             raise InvalidInputError(
                 f"layer_chunk_tokens must be an integer dividing block_tokens ({b}), got {c!r}"
             )
+
+    def _check_write_behind(self) -> None:
+        for name, integral, low in (("commit_blocks", True, 1), ("disk_backlog_bytes", True, 1),
+                                    ("commit_ms", False, 0), ("backlog_wait_s", False, 0)):  # fmt: skip
+            value: object = getattr(self, name)
+            kinds = (int,) if integral else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds) or float(value) < low:
+                kind = "an integer" if integral else "a number"
+                raise InvalidInputError(f"{name} must be {kind} >= {low}, got {value!r}")
 
     def _check_remote(self) -> None:
         nodes = (self.remote_nodes.split(",") if isinstance(self.remote_nodes, str)

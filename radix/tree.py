@@ -113,6 +113,41 @@ class RadixTree:
                     node.last_access = now
         return MatchResult(len(nodes) * self.block_tokens, nodes)
 
+    def leading_whole(self, root: RootId, lists: np.ndarray[Any, Any], touch: bool = True) -> int:
+        """How many rows of `lists` (k, n), from the first, are held whole, each matched from
+        `root` on its own: one lock and one walk for all of them (a batch of pages asked one
+        `match` at a time paid a lock, a conversion and a result per page). A row whose length
+        is not a multiple of `block_tokens` is never whole. Refreshes the recency of the
+        blocks of the rows held whole when `touch`."""
+        k, n = lists.shape
+        b = self.block_tokens
+        if k == 0 or n % b:
+            return 0
+        width = 4 * b
+        data = _edge(lists)  # every row's edges in one conversion
+        held: list[Node] = []
+        with self._lock:
+            top = self._roots.get(root, {})
+            for row in range(k):
+                children, start = top, row * 4 * n
+                for edge_start in range(start, start + 4 * n, width):
+                    node = children.get(data[edge_start : edge_start + width])
+                    if node is None:
+                        break
+                    held.append(node)
+                    children = node.children
+                else:
+                    continue
+                del held[len(held) - (edge_start - start) // width :]  # the row's partial match
+                k = row
+                break
+            if touch:
+                now = next(self._clock)
+                for node in held:
+                    node.access_count += 1
+                    node.last_access = now
+        return k
+
     def insert(
         self,
         root: RootId,

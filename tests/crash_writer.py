@@ -12,7 +12,9 @@ from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
 
 MODEL = ModelSpec("crash-test", num_layers=8, num_kv_heads=2, head_dim=64)
-CONFIG_KW = {"block_tokens": 64, "chunk_tokens": 16}
+# Synchronous stores: each "stored" promises the prompt survives a SIGKILL (write-behind's
+# crash test is tests/test_write_behind_crash.py).
+CONFIG_KW = {"block_tokens": 64, "chunk_tokens": 16, "sync_stores": True}
 SHARED = 192  # every prompt of a round starts with the same 3 blocks
 
 

@@ -100,7 +100,7 @@ def test_killed_cluster_node_loses_only_its_blocks_and_writes_resume(
     first_lost = owners.index(victim)
     with TieredStore(remote_config(tmp_path / "a", remote_nodes=nodes, remote_prefix=prefix)) as writer:
         writer.store(tokens, kv, model=TINY)
-        assert writer.remote_link is not None and writer.remote_link.flush(30)
+        assert writer.flush(30)  # committed locally, then sent
         clock = with_fake_clock(writer)
         with TieredStore(remote_config(tmp_path / "b", remote_nodes=nodes, remote_prefix=prefix)) as warm:
             assert warm.load_arrays(tokens, model=TINY)[0] == 320  # now held locally by `warm`
@@ -115,7 +115,7 @@ def test_killed_cluster_node_loses_only_its_blocks_and_writes_resume(
             assert loaded.tobytes() == kv[:, :, :, :covered].tobytes()
         more, more_kv = make_tokens(320, seed=3), make_kv(TINY, 320, seed=3)
         writer.store(more, more_kv, model=TINY)  # no error while a node is down
-        assert writer.remote_link.flush(30)
+        assert writer.flush(30)
         down = writer.stats()
         assert down.get("remote.errors") + down.get("remote.timeouts") >= 1
         assert down.get("remote.write_failures") + down.get("remote.refused") >= 1
@@ -123,7 +123,7 @@ def test_killed_cluster_node_loses_only_its_blocks_and_writes_resume(
         clock.now += 60  # past the breaker's backoff: the next call probes
         again, again_kv = make_tokens(320, seed=4), make_kv(TINY, 320, seed=4)
         writer.store(again, again_kv, model=TINY)
-        assert writer.remote_link.flush(30)
+        assert writer.flush(30)
         assert writer.stats().get("remote.breaker_state") == BreakerState.CLOSED
     with TieredStore(remote_config(tmp_path / "d", remote_nodes=nodes, remote_prefix=prefix)) as reader:
         covered, _, loaded = reader.load_arrays(again, model=TINY)

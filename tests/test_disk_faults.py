@@ -15,7 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -39,7 +39,10 @@ WIDE = ModelSpec("disk-test", num_layers=4, num_kv_heads=4, head_dim=64)  # 128 
 
 
 def config_for(data_dir: Path) -> StoreConfig:
-    return StoreConfig(data_dir=data_dir, block_tokens=32, chunk_tokens=8, memory_bytes=64 << 20)
+    # Synchronous stores: a full disk fails the Store itself (write-behind: tests/test_write_behind.py)
+    return StoreConfig(
+        data_dir=data_dir, block_tokens=32, chunk_tokens=8, memory_bytes=64 << 20, sync_stores=True
+    )
 
 
 kvsieve = functools.partial(run_kvsieve, timeout=60)  # a store command that hangs is a failure here
@@ -161,29 +164,6 @@ def test_write_errors_map_to_full_or_unavailable(tmp_path: Path) -> None:
     assert isinstance(broken, StorageUnavailableError) and status_for(broken) == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """Mounts real tmpfs file systems of a given size; skips where mounting is not allowed."""
-    mounted: list[Path] = []
-
-    def mount(size_bytes: int) -> Path:
-        point = tmp_path / f"tmpfs{len(mounted)}"
-        point.mkdir()
-        cmd = ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(point)]
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        except FileNotFoundError:
-            pytest.skip("no mount command on this machine")
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {result.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
-
-
 def test_full_disk_store_is_store_full_and_keeps_nothing_of_the_call(
     tmpfs: Callable[[int], Path],
 ) -> None:
@@ -208,7 +188,7 @@ def test_full_disk_store_is_store_full_and_keeps_nothing_of_the_call(
 def test_full_disk_over_grpc_is_resource_exhausted_and_server_lives(
     tmpfs: Callable[[int], Path],
 ) -> None:
-    server = Sidecar(tmpfs(3 << 20) / "data").start()
+    server = Sidecar(tmpfs(3 << 20) / "data", ["--sync-stores"]).start()
     try:
         with KVClient(server.address, use_shm=False) as client:
             with pytest.raises(StoreFullError):  # RESOURCE_EXHAUSTED on the wire
@@ -250,7 +230,7 @@ def test_store_created_on_a_nearly_full_disk_leaves_no_half_file(tmpfs: Callable
 
 
 def test_deleted_data_file_over_grpc_is_unavailable(tmp_path: Path) -> None:
-    server = Sidecar(tmp_path / "data").start()
+    server = Sidecar(tmp_path / "data", ["--sync-stores"]).start()  # the write fails the Store
     try:
         with KVClient(server.address, use_shm=False) as client:
             client.store(make_tokens(32, seed=1), make_kv(WIDE, 32, 1), model=WIDE)

@@ -41,10 +41,12 @@ def _full_disk(tmp_path: Path, layout: str) -> tuple[StoreConfig, Array, list[Bl
     toks, kv = make_tokens(N, seed=61), make_kv(TINY, N, seed=61)
     with TieredStore(_config(tmp_path / "probe", layout)) as probe:
         probe.store(toks, kv, model=TINY)
+        assert probe.flush()  # on disk, not only acknowledged from memory
         budget = probe.durable[0].usage().used_bytes
     config = _config(tmp_path / "data", layout, disk_bytes=budget)
     with TieredStore(config) as store:
         assert store.store(toks, kv, model=TINY).new_blocks == 3
+        assert store.flush()
         assert store.durable[0].usage().used_bytes == budget  # full
         metas = _metas(store, toks)
     return config, toks, metas

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,9 @@ def test_server_killed_mid_stream_gives_unavailable_and_restarts_clean(tmp_path:
     tokens, _ = _store_wide(server.address, seed=9)
     received = 0
     with KVClient(server.address, use_shm=False) as client:
+        deadline = time.monotonic() + 60  # stores are acknowledged from memory: wait for the disk
+        while client.stats().counters.get("disk_backlog_blocks", 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
         stream = client.load(tokens, model=WIDE)
         received += len(next(stream).positions)
         server.kill()

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common.sidecar import Sidecar
 from bench.datapath import grpc_floor
+from bench.datapath.disk_write import write_behind_vs_sequential
 from bench.datapath.store_bench import SMOLLM2_SHAPE
 from kvstore.client.kvclient import KVClient
 from kvstore.load.assemble import place_chunks
@@ -45,10 +46,14 @@ def run(quick: bool = False) -> dict[str, Any]:
     out = np.ones_like(kv)  # resident, as an engine's cache is
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         server = _start_server(Path(tmp))
+        synced = _start_server(Path(tmp) / "sync", "--sync-stores")  # stores as before write-behind
         try:
             result = _measure(server, tokens, kv, out, repeats, quick)
+            result |= _sync_stores(server, synced, kv, repeats)
         finally:
             server.kill()
+            synced.kill()
+        result |= write_behind_vs_sequential(Path(tmp), MODEL, kv, 2 if quick else 4, 1 if quick else 3)
     result["raw_tcp_mb_s"] = round(_tcp_mb_s(kv.nbytes, repeats), 1)
     result["grpc_floor_mb_s"] = round(_grpc_floor_mb_s(kv.nbytes, repeats), 1)
     result["grpc_vs_floor"] = round(result["grpc_stream_mb_s"] / result["grpc_floor_mb_s"], 3)
@@ -58,11 +63,32 @@ def run(quick: bool = False) -> dict[str, Any]:
     return {"prefix_tokens": num_tokens, "prefix_bytes": kv.nbytes, **result}
 
 
-def _start_server(data_dir: Path) -> Sidecar:
+def _start_server(data_dir: Path, *extra: str) -> Sidecar:
     # The store's default geometry (256-token blocks, 16-token chunks), not the small one tests use.
     return Sidecar(
-        data_dir, ["--metrics-listen", "", "--block-tokens", "256", "--chunk-tokens", "16"]
+        data_dir, ["--metrics-listen", "", "--block-tokens", "256", "--chunk-tokens", "16", *extra]
     ).start()
+
+
+def _sync_stores(server: Sidecar, synced: Sidecar, kv: Any, repeats: int) -> dict[str, float]:
+    """Stores through shared memory, acknowledged from memory (write-behind, the default) and
+    synchronous (`--sync-stores`), interleaved on the same machine in the same run."""
+    behind_s: list[float] = []
+    sync_s: list[float] = []
+    with KVClient(server.address, use_shm=True) as behind, KVClient(synced.address, use_shm=True) as sync:
+        for client in (behind, sync):  # the first store through an arena maps it (not timed)
+            client.store(np.arange(kv.shape[3]) + 70_000, kv, model=MODEL)
+        for i in range(repeats):
+            for client, times in ((behind, behind_s), (sync, sync_s)):
+                tokens = np.random.default_rng(5000 + i).integers(0, 49152, kv.shape[3])
+                t0 = time.perf_counter()
+                client.store(tokens, kv, model=MODEL)
+                times.append(time.perf_counter() - t0)
+    return {
+        "store_shm_write_behind_mb_s": round(kv.nbytes / statistics.median(behind_s) / 1e6, 1),
+        "store_shm_sync_mb_s": round(kv.nbytes / statistics.median(sync_s) / 1e6, 1),
+        "store_shm_vs_sync": round(statistics.median(sync_s) / statistics.median(behind_s), 3),
+    }
 
 
 def _measure(server: Any, tokens: Any, kv: Any, out: Any, repeats: int, quick: bool) -> dict[str, Any]:

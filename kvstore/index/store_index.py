@@ -40,6 +40,7 @@ from kvstore.stats import Counters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 from radix import MatchResult, Node, RadixTree, RootId
+from radix.tree import Pin
 
 
 class StoreIndex:
@@ -151,6 +152,13 @@ class StoreIndex:
             self._counters.add("blocks_dropped", len(removed))
         with self._reclaim_lock:
             self._unreclaimed.update(node.key for node in removed)
+        return self._reclaim()
+
+    def drop_unlisted(self, keys: Iterable[bytes]) -> int:
+        """Delete blocks from the local durable tiers unless they are listed (a pending block
+        forgotten while its group commit wrote it). Returns the bytes freed."""
+        with self._reclaim_lock:
+            self._unreclaimed.update(keys)
         return self._reclaim()
 
     def _reclaim(self) -> int:
@@ -266,6 +274,43 @@ class StoreIndex:
                 self._policy.touch((meta.key, index), meta)
             self._memory_changed_locked(meta.key, meta)
             return True
+
+    def put_pending(self, root: RootId, meta: BlockMeta, records: Sequence[bytes]) -> Pin | None:
+        """Put a whole block in memory and list it, pinned until its disk write is done (`settle`):
+        neither memory nor disk eviction may take a block memory holds the only copy of. One
+        step under the memory lock, so no eviction sees it listed and unpinned, or held and
+        unlisted. None (nothing kept, nothing listed) if memory cannot hold it."""
+        size = sum(len(c) for c in records)
+        with self._memory_lock:
+            if size > self._memory.capacity_bytes:
+                return None
+            self._drop_from_memory_locked(meta)
+            self._make_room_locked(size)
+            try:
+                self._memory.put_block(meta, records)
+            except TierFullError:
+                return None
+            with self._listen_lock:
+                parent = None if meta.depth == 0 else meta.parent
+                node = self.tree.insert(root, parent, meta.tokens, meta.key, meta.nbytes, meta)
+                pin = self.tree.pin([node])
+                if self._listener is not None:
+                    self._listener.blocks_listed((meta,))
+            for index in range(len(records)):
+                self._policy.touch((meta.key, index), meta)
+            self._memory_changed_locked(meta.key, meta)
+            return pin
+
+    def settle(self, pin: Pin) -> BlockMeta | None:
+        """A pending block's disk write is done or abandoned: unpin it. Returns its metadata as
+        listed now (scores may have been reported meanwhile), or None if it was unlisted."""
+        self.tree.unpin(pin)
+        return self.listed(pin)
+
+    def listed(self, pin: Pin) -> BlockMeta | None:
+        """The current metadata of the block `pin` holds, or None if that node left the tree."""
+        node = pin.nodes[0]
+        return node.payload if self.tree.get(node.key) is node else None
 
     def promote(self, meta: BlockMeta, index: int, data: bytes | memoryview) -> bool:
         """Copy one chunk read from a slower tier into memory, making room. False if it does not fit."""

@@ -13,7 +13,7 @@ from typing import Protocol
 from importance.lowbit import LowBitKeys
 from kvstore.api import LayeredLoad, PrefixStore, Tokens
 from kvstore.model import ModelSpec
-from kvstore.values import DEFAULT_NAMESPACE
+from kvstore.values import DEFAULT_NAMESPACE, Array
 
 
 class LowBitLayers(LayeredLoad, Protocol):
@@ -36,6 +36,11 @@ class SidecarStore(PrefixStore, Protocol):
         self, tokens: Tokens, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE
     ) -> LowBitLayers:
         """As `PrefixStore.open_layers`, with summaries the wire can carry undecoded."""
+        ...
+
+    def lookup_many(self, token_lists: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many rows of `token_lists` (k, n), from the first, are cached whole, each from the
+        root on its own (LookupMany): one index walk for all of them. Reads no data."""
         ...
 
     @property

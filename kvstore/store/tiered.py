@@ -121,6 +121,23 @@ class TieredStore:
         in_memory = self.memory.count_present(n.key for n in match.nodes)
         return LookupResult(match.num_tokens, len(match.nodes), in_memory)
 
+    def lookup_many(self, token_lists: Array, *, model: ModelSpec, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many rows of `token_lists` (k, n), from the first, are cached whole, each looked up
+        from the root on its own (pages filed as root-level blocks): one lock and one walk of the
+        index for all of them. Where the local index ends, blocks other sidecars put in the
+        remote tier are learned row by row, as `lookup` does."""
+        lists = np.asarray(token_lists)
+        if lists.ndim != 2 or lists.shape[1] == 0:
+            raise InvalidInputError(f"token_lists must have shape (lists, tokens > 0), got {lists.shape}")
+        root = self._root(model, namespace)
+        held = self.index.tree.leading_whole(root, lists)
+        if not self._local_only:  # the rest may be in the remote tier
+            n = lists.shape[1]
+            while held < len(lists) and self._match(root, as_token_array(lists[held])).num_tokens >= n:
+                held += 1
+        self.counters.add_many({"lookups": 1, "lookup_hits": int(held > 0)})
+        return held
+
     def store(
         self,
         tokens: Tokens,
@@ -235,12 +252,27 @@ class TieredStore:
         counters["evictions.memory"] = self.index.memory_evictions
         if self.remote_link is not None:
             counters |= self.remote_link.counters()
+        if self.writer.behind is not None:
+            counters |= self.writer.behind.counters()
         tiers = {t.name: t.usage() for t in self.tiers.all}
         return StoreStats(counters, tiers, self.tree.num_blocks, len(self.leases), samples)
 
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every acknowledged block is on disk (the write-behind backlog committed) and
+        the remote tier's queue has been attempted (it is fed after each commit). True if both
+        emptied within `timeout_s`; the disk part is done at once with `sync_stores` or no disk."""
+        deadline = time.monotonic() + timeout_s
+        done = self.writer.behind is None or self.writer.behind.flush(timeout_s)
+        if self.remote_link is not None:
+            done = self.remote_link.flush(max(0.0, deadline - time.monotonic())) and done
+        return done
+
     def close(self) -> None:
+        """Commit the disk backlog, drain the remote queue, close the tiers. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.writer.behind is not None:
+                self.writer.behind.close()  # before the remote link: a commit feeds its queue
             if self.remote_link is not None:
                 self.remote_link.close()  # drains queued remote writes first
             for tier in self.tiers.all:

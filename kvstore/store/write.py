@@ -17,7 +17,7 @@ import numpy as np
 
 from importance.layout import importance_order
 from kvstore.config import StoreConfig
-from kvstore.errors import InvalidInputError, StoreFullError, TierFullError
+from kvstore.errors import InvalidInputError, LimitExceededError, StoreFullError
 from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import ChunkId, encode_chunk
 from kvstore.format.key_summary import prepare_encoding
@@ -26,7 +26,7 @@ from kvstore.index.store_index import StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
-from kvstore.tiers.base import Tier
+from kvstore.store.commit import DiskBehind, Pending, put_durable
 from kvstore.tiers.stack import TierStack
 from kvstore.values import Array
 from radix import MatchResult
@@ -54,6 +54,12 @@ class BlockWriter:
         self._index = index
         self.tiers = tiers
         self._counters = counters
+        # The disk write-behind, where there is a disk and stores are not synchronous.
+        self.behind = (
+            DiskBehind(config, index, tiers, counters)
+            if tiers.local_durable and not config.sync_stores
+            else None
+        )
         if config.layout == LAYERED:
             prepare_encoding()
 
@@ -69,16 +75,58 @@ class BlockWriter:
         ]
 
     def write_blocks(self, blocks: list[NewBlock], model: ModelSpec, root: Root) -> int:
-        """Local durable tiers first (all blocks in one transaction), then memory, then the
-        index, then the shared tier's queue. Returns the bytes written to the durable tiers."""
+        """Write new blocks; returns their bytes as the durable tiers store them.
+
+        Write-behind (`self.behind` set): acknowledged once memory holds them and the index lists
+        them, queued for the disk's next group commit (kvstore/store/commit.py). Otherwise, or for
+        blocks memory cannot hold: local durable tiers first (all blocks in one transaction),
+        then memory, then the index, then the shared tier's queue.
+        """
         if not blocks:
             return 0
         needed = sum(meta.nbytes for meta, _ in blocks)
-        for tier in self.tiers.local_durable:
-            self._put_durable(tier, blocks, needed)
-            self._counters.add(f"bytes_written.{tier.name}", needed)
         raw = self._config.codec == "raw"  # memory holds raw chunks: no zstd on the hot path
         in_memory = [(m, c if raw else [memory_record(x, model.dtype, m) for x in c]) for m, c in blocks]
+        done = 0
+        if self.behind is not None:
+            if self.behind.fits_budget(needed):
+                done = self._write_behind(self.behind, blocks, in_memory, root)
+                if done == len(blocks):
+                    return needed
+            # What memory cannot hold (or the disk budget cannot take at once) goes to disk now,
+            # after the backlog: a block's parent is never committed after it.
+            blocks, in_memory = blocks[done:], in_memory[done:]
+            if not self.behind.flush(self._config.backlog_wait_s):
+                raise LimitExceededError(
+                    f"{len(blocks)} blocks fit neither memory nor the disk write-behind backlog, "
+                    f"which did not drain in backlog_wait_s={self._config.backlog_wait_s} s; "
+                    f"the first {done} blocks were kept"
+                )
+        self._write_through(blocks, in_memory, root)
+        return needed
+
+    def _write_behind(
+        self, behind: DiskBehind, blocks: list[NewBlock], in_memory: list[NewBlock], root: Root
+    ) -> int:
+        """Acknowledge blocks from memory and queue them for the disk, in order; returns how many
+        (the first that memory cannot hold stops it). Raises `LimitExceededError` when the
+        backlog has no room for them within `backlog_wait_s`."""
+        sizes = [meta.nbytes for meta, _ in blocks]
+        behind.make_room(sum(sizes))
+        behind.admit(sum(sizes))
+        for index, ((meta, records), (_, held)) in enumerate(zip(blocks, in_memory, strict=True)):
+            pin = self._index.put_pending(root, meta, held)
+            if pin is None:
+                behind.release(sum(sizes[index:]))
+                return index
+            self._counters.add("bytes_written.memory", sum(len(x) for x in held))
+            behind.submit(Pending(meta, records, pin))
+        return len(blocks)
+
+    def _write_through(self, blocks: list[NewBlock], in_memory: list[NewBlock], root: Root) -> None:
+        """Today's order: durable tiers (one transaction), memory, the index, the remote queue."""
+        for tier in self.tiers.local_durable:
+            self._counters.add(f"bytes_written.{tier.name}", put_durable(tier, blocks, self._index))
         if not self.tiers.local_durable:  # memory is the only local copy: make room for all, or fail now
             self._index.reserve_memory(sum(len(x) for _, c in in_memory for x in c))
         for meta, chunks in in_memory:
@@ -91,7 +139,6 @@ class BlockWriter:
         if self.tiers.remote is not None:  # after the local commit; queued, never blocks
             for meta, chunks in blocks:
                 self.tiers.remote.write(meta, chunks)
-        return needed
 
     def put_meta(self, meta: BlockMeta) -> None:
         """Replace a block's metadata in every tier that holds it (new scores)."""
@@ -176,22 +223,3 @@ class BlockWriter:
         cfg = self._config
         records = encode_layered(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
         return replace(meta, nbytes=sum(len(x) for x in records)), records
-
-    def _put_durable(self, tier: Tier, blocks: list[NewBlock], needed: int) -> None:
-        usage = tier.usage()
-        if usage.capacity_bytes is not None and usage.used_bytes + needed > usage.capacity_bytes:
-            self._index.evict(usage.used_bytes + needed - usage.capacity_bytes)
-            usage = tier.usage()
-            if usage.used_bytes + needed > (usage.capacity_bytes or 0):
-                raise StoreFullError(
-                    f"{tier.name} tier budget of {usage.capacity_bytes} B is held by pinned blocks "
-                    f"({usage.used_bytes} B used, {needed} B needed); nothing of this call was kept"
-                )
-        try:
-            tier.put_blocks(blocks)
-        except TierFullError:
-            self._index.evict(max(needed, (usage.capacity_bytes or 0) // 10))
-            try:
-                tier.put_blocks(blocks)
-            except TierFullError as exc:
-                raise StoreFullError(f"{tier.name} tier is full: {exc}") from exc

@@ -130,7 +130,7 @@ def pack_codes(codes: Array, bits: int) -> bytes:
     return np.bitwise_or.reduce(rows << shifts, axis=1).astype(np.uint8).tobytes()
 
 
-def unpack_codes(data: bytes | memoryview, bits: int, shape: tuple[int, ...]) -> Array:
+def unpack_codes(data: bytes | memoryview | Array, bits: int, shape: tuple[int, ...]) -> Array:
     """Inverse of `pack_codes`: uint8 codes of `shape`.
 
     Raises:

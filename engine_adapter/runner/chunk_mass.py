@@ -55,3 +55,29 @@ def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int, sca
     if chunks * chunk_tokens != n:  # a partial last chunk: pad with tokens that weigh nothing
         weights = torch.nn.functional.pad(weights, (0, chunks * chunk_tokens - n))
     return weights.view(chunks, chunk_tokens).sum(-1).double().cpu().numpy()
+
+
+def device_keys(packed: Any, device: torch.device) -> torch.Tensor:
+    """A layer's key summaries (`kvstore.load.summaries.PackedLayer`) unpacked and dequantised on
+    `device`: float32 (kv_heads, tokens, head_dim) over all blocks, equal to the CPU's decoding
+    (`importance.lowbit.dequantize` of the unpacked codes: the same multiply, then add, in float32).
+
+    One copy of the packed codes (a quarter of a byte per channel at 2 bits, against four bytes of
+    float32 decoded on the host), then a few element-wise ops there.
+
+    Raises:
+        ValueError: codes that do not fill whole bytes, or partial groups (decode on the host).
+    """
+    blocks = packed.codes.shape[0]
+    heads, tokens, dim = packed.shape
+    if 8 % packed.bits or tokens % packed.group_tokens:
+        raise ValueError(f"{packed.bits}-bit codes or groups of {packed.group_tokens} of {tokens} tokens")
+    codes = torch.from_numpy(packed.codes).to(device, non_blocking=True)
+    shifts = torch.arange(0, 8, packed.bits, dtype=torch.uint8, device=device)
+    unpacked = (codes.unsqueeze(-1) >> shifts) & ((1 << packed.bits) - 1)  # (blocks, bytes, per_byte)
+    count = heads * tokens * dim
+    values = unpacked.reshape(blocks, -1)[:, :count].reshape(blocks, heads, -1, packed.group_tokens, dim)
+    low = torch.from_numpy(packed.low.astype(np.float32)).to(device)[:, :, :, None]
+    step = torch.from_numpy(packed.step.astype(np.float32)).to(device)[:, :, :, None]
+    keys = values.float() * step + low  # (blocks, heads, groups, group tokens, dim)
+    return keys.reshape(blocks, heads, tokens, dim).permute(1, 0, 2, 3).reshape(heads, blocks * tokens, dim)

@@ -21,6 +21,7 @@ summaries stay in the result, for the decode-time top-up (engine_adapter/runner/
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from engine_adapter.runner.cache import cache_from, cache_kwargs
-from engine_adapter.runner.chunk_mass import chunk_mass
+from engine_adapter.runner.chunk_mass import chunk_mass, device_keys
 from engine_adapter.runner.device import copy_into_cache
 from importance.query_select import choose_by_mass
 from kvstore.api import LayeredLoad, LayerSlice
@@ -205,19 +206,27 @@ class _LayerFiller:
         last = slice(-self.query_tokens, None)  # only the choosing tokens' queries are computed
         hidden = kwargs["hidden_states"][:, last]
         queries = layer_queries(module, hidden, cos[:, last], sin[:, last])[0]
-        approx = self.load.key_summary(layer)
+        summary = self._summary(layer, queries.device)
         chunk = int(self.load.chunk_tokens)
-        summary = torch.from_numpy(approx).to(queries.device)  # on the CPU: a view, no copy
         mass = chunk_mass(queries, summary, chunk, float(module.scaling))
         if self.keep_summaries:
             self.summaries[layer] = summary
-        chosen = choose_by_mass(mass, approx.shape[1], self.chunks, chunk_tokens=chunk)
+        chosen = choose_by_mass(mass, int(summary.shape[1]), self.chunks, chunk_tokens=chunk)
         part = self.load.read_layer(layer, [int(c) for c in chosen])
         check_slice(layer, part, chosen, int(self.load.chunk_tokens))
         # In place (the mask stays valid); on CUDA through pinned staging on the copy stream.
         copy_into_cache(self.cache.layers[layer], part.kv)
         self.chosen[layer] = chosen
         self.load_s += time.perf_counter() - t0
+
+    def _summary(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer `layer`'s key summaries on `device`: on a GPU unpacked there from their packed codes
+        (`device_keys`: one small copy), on the CPU decoded by the load (a view, no copy)."""
+        packed = getattr(self.load, "packed_summary", None)
+        if device.type != "cpu" and packed is not None:
+            with contextlib.suppress(ValueError, InvalidInputError):  # unlike blocks: the host decodes
+                return device_keys(packed(layer), device)
+        return torch.from_numpy(self.load.key_summary(layer)).to(device)
 
     def report(self) -> LayeredReport:
         load = self.load

@@ -202,10 +202,24 @@ def _frame(record_id: ChunkId, low_bit: LowBitKeys, codes: bytes) -> bytes:
     return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def decode_summary(
+class PackedSummary(NamedTuple):
+    """A verified summary record with its codes still packed (`pack_codes`), for a reader that unpacks
+    them elsewhere (on the model's device): identity, codes, fp16 low and step, geometry."""
+
+    record_id: ChunkId
+    codes: Array  # uint8, packed
+    low: Array  # fp16 (kv_heads, groups, head_dim)
+    step: Array
+    bits: int
+    group_tokens: int
+    shape: tuple[int, int, int]  # (kv_heads, tokens, head_dim)
+
+
+def verify_summary(
     data: bytes | memoryview, expect: ChunkId | None = None, geometry: SummaryGeometry | None = None
-) -> DecodedSummary:
-    """Verify and decode a summary record (the checksum is always checked: records are small).
+) -> PackedSummary:
+    """Verify a summary record (the checksum is always checked: records are small); its codes stay
+    packed (views of `data`).
 
     Raises:
         ChecksumError: not a summary record, truncated, checksum mismatch, sizes that do
@@ -234,12 +248,27 @@ def decode_summary(
     if not sizes_ok or _HEADER.size + packed_bytes(tokens, heads, dim, bits, group) != len(body):
         raise ChecksumError("summary header does not match its length")
     groups = -(-tokens // group)
-    codes = unpack_codes(body[_HEADER.size : _HEADER.size + codes_len], bits, (heads, tokens, dim))
+    codes = np.frombuffer(body[_HEADER.size : _HEADER.size + codes_len], dtype=np.uint8)
     off = _HEADER.size + codes_len
     side = heads * groups * dim * 2
     low = np.frombuffer(body[off : off + side], dtype="<f2").reshape(heads, groups, dim)
     step = np.frombuffer(body[off + side : off + 2 * side], dtype="<f2").reshape(heads, groups, dim)
-    return DecodedSummary(record_id, LowBitKeys(codes, low, step, bits, group))
+    return PackedSummary(record_id, codes, low, step, bits, group, (heads, tokens, dim))
+
+
+def decode_summary(
+    data: bytes | memoryview, expect: ChunkId | None = None, geometry: SummaryGeometry | None = None
+) -> DecodedSummary:
+    """Verify and decode a summary record: `verify_summary`, its codes unpacked.
+
+    Raises:
+        ChecksumError, GeometryError: as `verify_summary`.
+    """
+    packed = verify_summary(data, expect, geometry)
+    codes = unpack_codes(packed.codes, packed.bits, packed.shape)
+    return DecodedSummary(
+        packed.record_id, LowBitKeys(codes, packed.low, packed.step, packed.bits, packed.group_tokens)
+    )
 
 
 def summary_record_bytes(tokens: int, kv_heads: int, head_dim: int, bits: int = SUMMARY_BITS) -> int:

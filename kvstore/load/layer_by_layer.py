@@ -25,16 +25,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from importance.lowbit import LowBitKeys, dequantize
+from importance.lowbit import LowBitKeys, dequantize, unpack_codes
 from kvstore.api import LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError
-from kvstore.format.key_summary import DecodedSummary, decode_summary, summary_record_bytes
+from kvstore.format.key_summary import DecodedSummary, PackedSummary, summary_record_bytes, verify_summary
 from kvstore.format.layer_record import decode_layer_record
 from kvstore.format.layered_block import layer_geometry, summary_geometry
 from kvstore.load.ahead import LayersAhead
 from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, read_raw_runs, reads_whole
+from kvstore.load.summaries import PackedLayer, join_packed
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array, check_layer
@@ -107,6 +108,8 @@ class LocalLayeredLoad:
         self._summary_records: dict[tuple[str, bytes], list[bytes | None]] = {}
         self._ahead: LayersAhead[Array] | None = None  # summaries read ahead (`key_summary`)
         self._ahead_next = 0  # the first layer the thread still owes
+        self._packed_ahead: LayersAhead[PackedLayer] | None = None  # the same, packed (`packed_summary`)
+        self._packed_next = 0
         # summaries read from a slower tier, promoted to memory when the load closes: off the
         # prefill's path (480 promotions of a 4,096-token prefix cost ~40 ms of a core there)
         self._promote_later: list[tuple[BlockMeta, int, bytes]] = []
@@ -164,6 +167,26 @@ class LocalLayeredLoad:
             self._lowbit[layer] = _joined(parts, self._model)
         return self._lowbit[layer]
 
+    def packed_summary(self, layer: int) -> PackedLayer:
+        """Layer `layer`'s summaries over the matched prefix with their codes still packed, every
+        block's side by side (for a device to unpack and score in one op: engine_adapter/runner/
+        chunk_mass.py `device_keys`). Asking for layer 0 first starts a thread that reads and
+        verifies the next layers' records ahead, as `key_summary` does.
+
+        Raises:
+            InvalidInputError: layer out of range, or blocks of unlike geometry (use `key_summary`).
+        """
+        self._check_layer(layer)
+        if self._packed_ahead is None and layer == 0 and self.num_layers > 1 and self._metas:
+            self._packed_ahead = LayersAhead(self._packed_layer, self.num_layers)
+        if self._packed_ahead is not None and layer >= self._packed_next:
+            self._packed_next = layer + 1
+            return self._packed_ahead.get(layer)
+        return self._packed_layer(layer)
+
+    def _packed_layer(self, layer: int) -> PackedLayer:
+        return join_packed([self._verified_summary(meta, layer) for meta in self._metas])
+
     def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
         """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim).
 
@@ -197,8 +220,9 @@ class LocalLayeredLoad:
 
     def close(self) -> None:
         """Stop reading ahead, then release the pin: exactly the nodes `open_layered` pinned. Idempotent."""
-        if self._ahead is not None:
-            self._ahead.stop()
+        for ahead in (self._ahead, self._packed_ahead):
+            if ahead is not None:
+                ahead.stop()
         with self._lock:
             later, self._promote_later = self._promote_later, []
         for meta, index, data in later:
@@ -292,15 +316,23 @@ class LocalLayeredLoad:
         return None
 
     def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
-        """One summary record, fastest tier first, verified; promoted to memory from a slower tier
-        when the load closes."""
+        """One summary record, as `_verified_summary`, its codes unpacked."""
+        packed = self._verified_summary(meta, layer)
+        codes = unpack_codes(packed.codes, packed.bits, packed.shape)
+        return DecodedSummary(
+            packed.record_id, LowBitKeys(codes, packed.low, packed.step, packed.bits, packed.group_tokens)
+        )
+
+    def _verified_summary(self, meta: BlockMeta, layer: int) -> PackedSummary:
+        """One summary record, fastest tier first, verified (codes packed); promoted to memory from a
+        slower tier when the load closes."""
         index = meta.record_index(layer)
         for tier in self._fetcher.tiers.all:
             data = self._summary_record(tier, meta, layer)
             if data is None:
                 continue
             try:
-                summary = decode_summary(data, meta.chunk_id(index), summary_geometry(meta, self._model))
+                summary = verify_summary(data, meta.chunk_id(index), summary_geometry(meta, self._model))
             except ChecksumError as exc:
                 if self._fetcher.refuse_remote(tier, meta, exc):
                     continue  # a miss: the remote tier is the last one

@@ -1,0 +1,64 @@
+"""Key summaries scored on the model's device: their codes read packed (kvstore/load/summaries.py,
+`LocalLayeredLoad.packed_summary`) and unpacked and dequantised there (engine_adapter/runner/
+chunk_mass.py `device_keys`): on the CPU the same ops, held equal to the host's decoding to the bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_adapter.runner.chunk_mass import device_keys
+from kvstore.config import StoreConfig
+from kvstore.errors import ChecksumError
+from kvstore.store.tiered import TieredStore
+from tests.conftest import TINY, corrupt_chunk, make_kv, make_tokens
+
+B, C, N = 32, 8, 4 * 32
+
+
+def _config(tmp_path: Path, **kwargs: object) -> StoreConfig:
+    return StoreConfig(data_dir=tmp_path / "data", block_tokens=B, layer_chunk_tokens=C, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("codec", ["raw", "shuffle-zstd"])
+def test_device_keys_equal_the_hosts_decoding_layer_by_layer(tmp_path: Path, codec: str) -> None:
+    toks = make_tokens(N)
+    with TieredStore(_config(tmp_path, codec=codec)) as store:
+        store.store(toks, make_kv(TINY, N), model=TINY)
+    with (
+        TieredStore(_config(tmp_path, codec=codec)) as store,  # summaries read from disk this time
+        store.open_layers(toks, model=TINY) as packed_load,
+        store.open_layers(toks, model=TINY) as host_load,
+    ):
+        for layer in range(TINY.num_layers):  # in order: the read-ahead thread runs ahead
+            packed = packed_load.packed_summary(layer)
+            assert packed.codes.shape[0] == N // B and packed.codes.dtype == np.uint8
+            got = device_keys(packed, torch.device("cpu"))
+            np.testing.assert_array_equal(got.numpy(), host_load.key_summary(layer))
+        assert packed_load.bytes_read == host_load.bytes_read  # the same records, counted once each
+
+
+def test_a_corrupt_summary_is_a_checksum_error_on_the_packed_path_too(tmp_path: Path) -> None:
+    toks = make_tokens(N)
+    config = _config(tmp_path)
+    with TieredStore(config) as store:
+        store.store(toks, make_kv(TINY, N), model=TINY)
+        metas = sorted(store.listed_blocks(), key=lambda m: m.start)
+    corrupt_chunk(config, metas[2].key, 0)  # layer 0's summary of the third block
+    with TieredStore(config) as store, store.open_layers(toks, model=TINY) as load:
+        with pytest.raises(ChecksumError, match=metas[2].key.hex()):
+            load.packed_summary(0)
+        assert store.lookup(toks, model=TINY).num_tokens == 2 * B  # it and the blocks after it are gone
+
+
+def test_codes_that_do_not_fill_bytes_are_left_to_the_host() -> None:
+    class Packed:
+        codes = np.zeros((1, 8), np.uint8)
+        bits, shape, group_tokens = 3, (1, 8, 1), 8
+        low = step = np.zeros((1, 1, 1, 1), np.float16)
+
+    with pytest.raises(ValueError, match="3-bit codes"):
+        device_keys(Packed(), torch.device("cpu"))

@@ -65,6 +65,8 @@ def prefill_split(engine: PrefillEngine, ids: Sequence[int], plan: SplitPlan, ti
     cache = empty_cache(lm.model.config)
     forward(lm, ids[:head], 0, cache, None, last_only=True)  # queued while the tail is read
     views = reader.join()
+    if reader.error is not None:  # the tail is computed instead (a block lost or corrupt on the way)
+        engine.transfer.last_error = f"reading the prefix's tail failed: {reader.error}"
     timings.lookup_s, timings.load_s = 0.0, reader.seconds
     from_disk = sum(v.nbytes for v in views if v.tier != "memory")
     if views and from_disk * 2 >= sum(v.nbytes for v in views):  # mostly the disk's: its rate

@@ -109,3 +109,26 @@ def test_query_aware_is_chosen_on_a_device_only_where_it_was_measured_faster() -
     fast = _gpu_like(1.7, 32_000)
     fast.observe_layered(16384, 0.01)
     assert fast.query_aware_pays(*args)
+
+
+def test_a_corrupt_tail_block_is_computed_instead(tmp_path: Path) -> None:
+    from tests.conftest import corrupt_chunk
+
+    lm = _tiny_lm(tmp_path)
+    ids = np.random.default_rng(2).integers(0, 1000, 8 * 32 + 10).tolist()
+    config = StoreConfig(data_dir=tmp_path / "kv", block_tokens=32, chunk_tokens=8, host_arena=True)
+    with TieredStore(config) as store:
+        reference = Engine(lm, None, collect_stats=False).prefill(ids)
+        Engine(lm, store, collect_stats=False).prefill(ids)
+        last = max(store.listed_blocks(), key=lambda m: m.start)
+    corrupt_chunk(config, last.key, last.pack_index)  # the prefix's last block: in the tail
+    with TieredStore(config) as store:
+        engine = Engine(
+            lm, store, collect_stats=False, transfer=KVTransfer(torch.device("cpu"), staging=True)
+        )
+        engine.costs = _gpu_like(0.001, 1000)
+        got = engine.prefill(ids)
+        assert engine.last_split is not None and engine.last_split.kind == "split"
+        assert got.loaded_tokens == engine.last_split.load_tokens - 32  # all of the tail but that block
+        assert store.stats().counters["checksum_failures"] == 1
+    assert torch.allclose(got.logits, reference.logits, atol=2e-3, rtol=0)

@@ -5,6 +5,7 @@ chunk_mass.py `device_keys`): on the CPU the same ops, held equal to the host's 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from engine_adapter.runner.chunk_mass import device_keys
 from kvstore.config import StoreConfig
-from kvstore.errors import ChecksumError
+from kvstore.errors import ChecksumError, InvalidInputError
 from kvstore.store.tiered import TieredStore
 from tests.conftest import TINY, corrupt_chunk, make_kv, make_tokens
 
@@ -62,3 +63,41 @@ def test_codes_that_do_not_fill_bytes_are_left_to_the_host() -> None:
 
     with pytest.raises(ValueError, match="3-bit codes"):
         device_keys(Packed(), torch.device("cpu"))
+
+
+def test_read_layer_fills_a_buffer_it_is_given_and_refuses_another_shape(tmp_path: Path) -> None:
+    toks = make_tokens(N)
+    with TieredStore(_config(tmp_path)) as store:
+        store.store(toks, make_kv(TINY, N), model=TINY)
+        with store.open_layers(toks, model=TINY) as load:
+            chunks = [0, 3, 5, 9]
+            expected = load.read_layer(1, chunks)
+            out = np.full((2, TINY.num_kv_heads, len(chunks) * C, TINY.head_dim), 7, load.kv_dtype)
+            got = load.read_layer(1, chunks, out=out)
+            assert got.kv is out and np.array_equal(out, expected.kv)
+            np.testing.assert_array_equal(got.positions, expected.positions)
+            with pytest.raises(InvalidInputError, match="out must be float16"):
+                load.read_layer(1, chunks, out=out[:, :, :-1])
+
+
+def test_a_pinned_copy_needs_no_staging_and_the_cache_gets_what_was_read() -> None:
+    from engine_adapter.runner.device import read_into_cache
+    from kvstore.load.device import DeviceCopier
+
+    copier = DeviceCopier("cpu")
+    source = torch.arange(24, dtype=torch.float16).reshape(2, 3, 4)
+    target = torch.zeros(2, 3, 4, dtype=torch.float32)
+    assert copier.upload_pinned(source, target) is None and torch.equal(target, source.float())
+    assert copier.pool.allocations == 0  # nothing staged
+
+    layer = SimpleNamespace(keys=torch.zeros(1, 2, 4, 8), values=torch.zeros(1, 2, 4, 8))  # a cache layer
+    kv = np.random.default_rng(0).standard_normal((2, 2, 4, 8)).astype(np.float16)
+
+    class Part:
+        def __init__(self) -> None:
+            self.kv = kv
+
+    part = read_into_cache(layer, lambda out: Part(), kv.shape, kv.dtype)
+    assert part.kv is kv
+    np.testing.assert_array_equal(layer.keys[0].numpy(), kv[0].astype(np.float32))
+    np.testing.assert_array_equal(layer.values[0].numpy(), kv[1].astype(np.float32))

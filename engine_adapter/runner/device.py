@@ -24,7 +24,7 @@ import torch
 from engine_adapter.runner.upload import CopyCounts, PackUpload
 from kvstore.errors import InvalidInputError
 from kvstore.load.buffers import StagingError, StagingPool
-from kvstore.load.device import DeviceCopier, PendingDownload, as_tensor
+from kvstore.load.device import DeviceCopier, PendingDownload, as_array, as_tensor, torch_dtype
 from kvstore.load.read_packed import PackView
 
 Array = np.ndarray[Any, Any]
@@ -210,6 +210,38 @@ def copy_into_cache(layer: Any, kv: Array) -> None:
     stream = torch.cuda.current_stream(keys.device)
     for source, target in ((kv[0], keys), (kv[1], values)):
         stream.wait_event(copier.upload(np.asarray(source), target))
+
+
+def read_into_cache(layer: Any, read: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """On a device: read a layer's chosen chunks (`read(out)`, which fills `out` and returns what it
+    read) straight into a page-locked buffer of the device's shared copier, then copy them from there
+    to cache layer `layer` (no staging copy: the host copies every byte once). Returns what `read`
+    returned. On the CPU: `read` into a new array, then `copy_into_cache`.
+
+    Raises:
+        StagingError: no buffer, or the device refused the copy (the caller recomputes).
+    """
+    keys, values = layer.keys[0], layer.values[0]
+    if keys.device.type == "cpu":
+        part = read(None)
+        copy_into_cache(layer, part.kv)
+        return part
+    copier = _shared_copier(keys.device)
+    num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buffer = copier.pool.take(num_bytes)
+    host = buffer[:num_bytes].view(torch_dtype(np.dtype(dtype))).view(shape)
+    try:
+        part = read(as_array(host))
+        copier.follow_current()
+        stream = torch.cuda.current_stream(keys.device)
+        events = [copier.upload_pinned(host[0], keys), copier.upload_pinned(host[1], values)]
+    except BaseException:
+        copier.pool.give(buffer)
+        raise
+    for event in events:
+        stream.wait_event(event)
+    copier.pool.give(buffer, events[-1])  # one stream: the last copy ends after the first
+    return part
 
 
 @functools.cache

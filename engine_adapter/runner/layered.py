@@ -32,10 +32,11 @@ import torch
 
 from engine_adapter.runner.cache import cache_from, cache_kwargs
 from engine_adapter.runner.chunk_mass import chunk_mass, device_keys
-from engine_adapter.runner.device import copy_into_cache
+from engine_adapter.runner.device import copy_into_cache, read_into_cache
 from importance.query_select import choose_by_mass
 from kvstore.api import LayeredLoad, LayerSlice
 from kvstore.errors import ChecksumError, InvalidInputError
+from kvstore.load.layer_by_layer import LocalLayeredLoad
 
 Array = np.ndarray[Any, Any]
 #: New tokens whose queries choose the chunks: the last ones (the question and the chat
@@ -212,10 +213,20 @@ class _LayerFiller:
         if self.keep_summaries:
             self.summaries[layer] = summary
         chosen = choose_by_mass(mass, int(summary.shape[1]), self.chunks, chunk_tokens=chunk)
-        part = self.load.read_layer(layer, [int(c) for c in chosen])
-        check_slice(layer, part, chosen, int(self.load.chunk_tokens))
-        # In place (the mask stays valid); on CUDA through pinned staging on the copy stream.
-        copy_into_cache(self.cache.layers[layer], part.kv)
+        wanted, held = [int(c) for c in chosen], self.cache.layers[layer]
+        if isinstance(
+            local := self.load, LocalLayeredLoad
+        ):  # read into page-locked memory, copied from there
+            shape = (2, int(held.keys.shape[1]), len(wanted) * chunk, int(held.keys.shape[-1]))
+            part = read_into_cache(
+                held, lambda out: local.read_layer(layer, wanted, out=out), shape, local.kv_dtype
+            )
+            check_slice(layer, part, chosen, chunk)
+        else:
+            part = self.load.read_layer(layer, wanted)
+            check_slice(layer, part, chosen, chunk)
+            # In place (the mask stays valid); on CUDA through pinned staging on the copy stream.
+            copy_into_cache(self.cache.layers[layer], part.kv)
         self.chosen[layer] = chosen
         self.load_s += time.perf_counter() - t0
 

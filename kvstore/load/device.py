@@ -127,6 +127,30 @@ class DeviceCopier:
         self.pool.give(buffer, event)
         return event
 
+    def upload_pinned(self, source: Any, target: Any) -> Any:
+        """Copy `source`, a tensor in page-locked host memory (one of `pool`'s buffers, say), into
+        device tensor `target`: no staging copy. Returns the copy's event (None on the CPU, where it
+        is done on return); `source` must stay untouched until it completes.
+
+        Raises:
+            StagingError: the device refused the copy.
+        """
+        import torch
+
+        if self.stream is None:
+            target.copy_(source)
+            return None
+        try:
+            with torch.cuda.stream(self.stream):
+                target.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        except RuntimeError as exc:
+            raise StagingError(
+                f"copying {source.numel() * source.element_size()} bytes to {self.device} failed: {exc}"
+            ) from exc
+        return event
+
     def download(self, source: Any) -> PendingDownload:
         """Start copying device tensor `source` to the host; `.result()` waits for it.
 

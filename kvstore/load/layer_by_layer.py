@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from kvstore.format.layer_record import decode_layer_record
 from kvstore.format.layered_block import layer_geometry, summary_geometry
 from kvstore.load.ahead import LayersAhead
 from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, read_raw_runs, reads_whole
-from kvstore.load.summaries import PackedLayer, join_packed
+from kvstore.load.summaries import PackedLayer, join_lowbit, join_packed
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array, check_layer
@@ -119,6 +119,11 @@ class LocalLayeredLoad:
         self._lock = threading.Lock()  # the reader thread and the caller both count and cache
 
     @property
+    def kv_dtype(self) -> np.dtype[Any]:
+        """The numpy dtype of the KV `read_layer` delivers (the model's)."""
+        return self._model.np_dtype
+
+    @property
     def delivered_fraction(self) -> float:
         """Delivered tokens / (matched tokens x layers read); 0.0 before any layer."""
         denominator = self.matched_tokens * len(self._layers_read)
@@ -164,7 +169,7 @@ class LocalLayeredLoad:
         self._check_layer(layer)
         if layer not in self._lowbit:
             parts = [self._read_summary(meta, layer).keys for meta in self._metas]
-            self._lowbit[layer] = _joined(parts, self._model)
+            self._lowbit[layer] = join_lowbit(parts, self._model)
         return self._lowbit[layer]
 
     def packed_summary(self, layer: int) -> PackedLayer:
@@ -187,11 +192,16 @@ class LocalLayeredLoad:
     def _packed_layer(self, layer: int) -> PackedLayer:
         return join_packed([self._verified_summary(meta, layer) for meta in self._metas])
 
-    def read_layer(self, layer: int, chunks: Sequence[int]) -> LayerSlice:
-        """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim).
+    def read_layer(self, layer: int, chunks: Sequence[int], out: Array | None = None) -> LayerSlice:
+        """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim), written
+        into `out` when given (of that shape and the model's dtype: e.g. a page-locked buffer the
+        device copies from next, so the host copies every byte once).
 
         Per block, the layer record is read whole when every chunk is wanted (`reads_whole`),
         else as its header (read once per load) and the chunks' byte ranges.
+
+        Raises:
+            InvalidInputError: `out` of another shape or dtype.
         """
         self._check_layer(layer)
         wanted = self._check_chunks(chunks)
@@ -200,7 +210,12 @@ class LocalLayeredLoad:
         # sorted: each block's chunks are one slice (no scan of every chunk per block)
         bounds = np.searchsorted(chosen // per_block, np.arange(len(self._metas) + 1))
         c, model = self.chunk_tokens, self._model
-        kv = np.empty((2, model.num_kv_heads, len(chosen) * c, model.head_dim), model.np_dtype)
+        shape = (2, model.num_kv_heads, len(chosen) * c, model.head_dim)
+        if out is not None and (out.shape != shape or out.dtype != model.np_dtype):
+            raise InvalidInputError(
+                f"out must be {model.dtype} of shape {shape}, got {out.dtype} {out.shape}"
+            )
+        kv = np.empty(shape, model.np_dtype) if out is None else out
         starts: list[Array] = [np.zeros(0, np.int64)]
         for block_index, meta in enumerate(self._metas):
             a, b = int(bounds[block_index]), int(bounds[block_index + 1])
@@ -381,17 +396,3 @@ class LocalLayeredLoad:
         self._counters.add(counter)
         self._fetcher.forget(meta.key)
         self._index.forget(meta.key)
-
-
-def _joined(parts: list[LowBitKeys], model: ModelSpec) -> LowBitKeys:
-    """Per-block summaries of one layer as one: every block is one group of its own tokens."""
-    if not parts:
-        empty = np.zeros((model.num_kv_heads, 0, model.head_dim), np.float16)
-        return LowBitKeys(empty.astype(np.uint8), empty, empty, 2, 1)
-    return LowBitKeys(
-        np.concatenate([p.codes for p in parts], axis=1),
-        np.concatenate([p.low for p in parts], axis=1),
-        np.concatenate([p.step for p in parts], axis=1),
-        parts[0].bits,
-        parts[0].group_tokens,
-    )

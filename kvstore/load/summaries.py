@@ -14,8 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from importance.lowbit import LowBitKeys
 from kvstore.errors import InvalidInputError
 from kvstore.format.key_summary import PackedSummary
+from kvstore.model import ModelSpec
 from kvstore.values import Array
 
 
@@ -44,4 +46,18 @@ def join_packed(parts: Sequence[PackedSummary]) -> PackedLayer:
     low, step = np.stack([p.low for p in parts]), np.stack([p.step for p in parts])
     return PackedLayer(
         np.stack([p.codes for p in parts]), low, step, first.bits, first.shape, first.group_tokens
+    )
+
+
+def join_lowbit(parts: list[LowBitKeys], model: ModelSpec) -> LowBitKeys:
+    """Per-block summaries of one layer as one: every block is one group of its own tokens."""
+    if not parts:
+        empty = np.zeros((model.num_kv_heads, 0, model.head_dim), np.float16)
+        return LowBitKeys(empty.astype(np.uint8), empty, empty, 2, 1)
+    return LowBitKeys(
+        np.concatenate([p.codes for p in parts], axis=1),
+        np.concatenate([p.low for p in parts], axis=1),
+        np.concatenate([p.step for p in parts], axis=1),
+        parts[0].bits,
+        parts[0].group_tokens,
     )

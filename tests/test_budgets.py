@@ -71,6 +71,7 @@ def _stored(store: TieredStore, model: ModelSpec, n: int, seed: int) -> tuple[An
     tokens, kv = make_tokens(n, seed=seed), make_kv(model, n, seed=seed)
     scores = np.random.default_rng(seed).gamma(0.5, size=n).astype(np.float32)
     store.store(tokens, kv, model=model, scores=scores)
+    assert store.flush()  # on disk too: the tests count the disk's bytes
     return tokens, kv, scores
 
 

@@ -63,6 +63,7 @@ def _one_run(layout: str, tokens: np.ndarray, kv: np.ndarray, rng: np.random.Gen
         with TieredStore(config) as store:
             start = time.perf_counter()
             store.store(tokens, kv, model=MODEL, scores=scores)
+            store.flush()  # on disk: layouts compared at what a durable store costs (as before write-behind)
             figures = {"store_mb_s": mb / (time.perf_counter() - start)}
             figures["bytes"] = float(store.stats().tiers["lmdb"].used_bytes)
         with TieredStore(config) as store:

@@ -62,6 +62,7 @@ def _transfer(server: RedisNode, tmp: Path, num_tokens: int, repeats: int) -> di
     kv = rng.standard_normal(MODEL.kv_shape(num_tokens)).astype(np.float16)
     with TieredStore(_config(server.url, tmp / "writer", remote_write_behind=False)) as writer:
         writer.store(tokens, kv, model=MODEL)
+        assert writer.flush(120)  # the remote tier is fed after the disk's group commit
         chunk_sizes = [len(c) for c in _remote_chunks(writer, tokens)]
     seconds = []
     for _ in range(repeats):

@@ -31,7 +31,11 @@ PREFIX, PREFIX_KV = make_tokens(N, seed=41), make_kv(TINY, N, seed=41)
 
 
 def _layered_sidecar(tmp_path: Path, disk: str) -> Sidecar:
-    return auth_sidecar(tmp_path, "--layout", "layered", "--disk-bytes", disk, "--layers-idle-s", "120")
+    # --sync-stores: a prefix is on disk when its Store returns (the tests kill the sidecar, then
+    # damage a record on disk)
+    return auth_sidecar(
+        tmp_path, "--layout", "layered", "--disk-bytes", disk, "--layers-idle-s", "120", "--sync-stores"
+    )
 
 
 def _fill(client: KVClient, count: int, seed: int, namespace: str = "a") -> list[Array]:

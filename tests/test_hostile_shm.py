@@ -58,6 +58,8 @@ def test_a_symlink_named_like_a_segment_is_never_written(server: Sidecar, tmp_pa
     tokens, kv = make_tokens(96, seed=1), make_kv(TINY, 96, seed=1)
     with KVClient(server.address, use_shm=False) as client:
         client.store(tokens, kv, model=TINY)
+        # the disk's group commit behind the Store, done before the file's bytes are taken
+        assert wait_until(lambda: client.stats().counters.get("disk_backlog_blocks") == 0, 30)
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"precious" * 4096)
     data_mdb = tmp_path / "data" / "lmdb" / "data.mdb"

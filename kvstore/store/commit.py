@@ -187,12 +187,23 @@ class DiskBehind:
             except Exception as exc:
                 logger.warning("kvsieve: a group commit of %d blocks failed, retrying: %s", len(live), exc)
                 raise
+            self._rewrite_changed_metas(group, live)
             forgotten = [p.meta.key for p in group if self._index.settle(p.pin) is None]
             if forgotten:  # unlisted during the commit: nothing reaches them, they must not hold disk
                 self._index.drop_unlisted(forgotten)
             if self._tiers.remote is not None:  # after the local commit; queued, never blocks
                 for meta, records in live:
                     self._tiers.remote.write(meta, records)
+
+    def _rewrite_changed_metas(self, group: list[Pending], written: list[Block]) -> None:
+        """Scores reported while a block was being committed reached memory and the index but not
+        the disk (it did not hold the block yet): write the metadata the index lists now."""
+        metas = {meta.key: meta for meta, _ in written}
+        for p in group:
+            current = self._index.listed(p.pin)
+            if current is not None and metas.get(current.key, current) is not current:
+                for tier in self._tiers.local_durable:
+                    tier.put_meta(current)
 
     def _budget(self) -> int | None:
         """The smallest byte budget of the local durable tiers (None: unbounded)."""

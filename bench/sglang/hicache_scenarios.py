@@ -280,6 +280,7 @@ def _shared_through_redis(python: str, work: Path, redis_url: str) -> dict[str, 
         "--remote-prefix",
         f"sglang-{os.getpid()}",
         "--no-remote-write-behind",
+        "--sync-stores",  # the shared tier written before the Store returns (else after the disk commit)
     )
     first = Sidecar(python, work / "first", 256, 16, *remote).start()
     second = Sidecar(python, work / "second", 256, 16, *remote).start()

@@ -1,10 +1,13 @@
 """The KV-event publisher: store threads queue news, one thread publishes it over ZMQ.
 
-Never in the way of a store or a load: the store's threads only put a reference on a bounded
-queue (`put_nowait`); when it is full the news is dropped and counted, and the publisher
-publishes a fresh snapshot (`AllBlocksCleared`, then every block) once it has caught up, so a
-subscriber's view is right again. The PUB socket drops messages for a subscriber that does not
-read past its high-water mark (ZMQ's own rule), so a stalled subscriber costs nothing either.
+Never in the way of a store or a load: a store's thread only appends a reference to the
+index's news to a bounded inbox (kvstore/events/inbox.py: no lock, no wake-up in a burst);
+when it is full the news is dropped and counted, and the publisher publishes a fresh snapshot
+(`AllBlocksCleared`, then every block) once it has caught up, so a subscriber's view is right
+again. Everything else (router hashes, token lists, msgpack, ZMQ) happens on the publisher's
+thread, which in Python still takes the GIL from the storing threads: it wakes as little as it
+can (one batch per burst of stores). The PUB socket drops messages for a subscriber that does not read
+past its high-water mark (ZMQ's own rule), so a stalled subscriber costs nothing either.
 
 What a subscriber sees:
 
@@ -26,18 +29,17 @@ sequence number it carries.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import InvalidInputError
 from kvstore.events.config import EventsConfig
+from kvstore.events.inbox import Inbox
 from kvstore.format.block_meta import BlockMeta
 
 if TYPE_CHECKING:
@@ -46,12 +48,17 @@ if TYPE_CHECKING:
     from kvstore.events import wire
 
 log = logging.getLogger(__name__)
-# In a burst (news within BURST_GAP_S of the last batch) the first news waits LINGER_S for more,
-# so that a burst of stores is one batch: waking this thread once per store made it fight the
-# storing threads for the GIL (measured: 0.6 of the store rate without events, 0.84 with the
-# linger). Outside a burst it is published at once (a sleep costs ~20 ms of lag in a busy sidecar).
-LINGER_S = 0.005
-BURST_GAP_S = 0.002
+# In a burst (news within BURST_GAP_S of the last batch with news) the first news waits LINGER_S
+# for more, so that a burst of stores is one batch: each batch costs this thread about 150 us of
+# Python beyond its blocks' (waking, msgpack, ZMQ), taken from the storing threads (the GIL).
+# Measured on memory-only stores of 0.6 ms: 5 ms lingers made batches of ~8 stores and cost ~15 us
+# a store, 20 ms ones batches of ~20 and ~8 us. Outside a burst news is published at once.
+LINGER_S = 0.02
+BURST_GAP_S = 0.02
+#: Longest sleep while idle: replay requests are looked at this often.
+IDLE_WAIT_S = 0.02
+#: News items (one per index change) made into one batch at most.
+MAX_BATCH_ITEMS = 4096
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class PublisherStats:
     events: int
     dropped: int
     resyncs: int
-    replays: int
+    replays: int  # replay requests read
     queued: int
     last_seq: int
 
@@ -168,45 +175,42 @@ class Publisher:
         self._sockets = sockets
         self._store = store  # read afresh when news was dropped
         self._topic = config.topic.encode()
-        self._queue: queue.Queue[tuple[str, Sequence[Any]]] = queue.Queue(config.queue_size)
-        self._resync = threading.Event()  # news was dropped: publish a fresh snapshot
+        self._inbox = Inbox(config.queue_size)
         self._view = RouterView(config.medium, config.router_block_tokens)
+        self._apply: dict[str, Callable[[Any], list[wire.Event]]] = {
+            "listed": self._view.listed, "unlisted": self._view.unlisted,
+            "in_memory": self._view.in_memory, "out_of_memory": self._view.out_of_memory,
+        }  # fmt: skip
         self._start: tuple[list[BlockMeta], set[bytes]] = ([], set())
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._encoder = wire_encoder()
         # A restarted sidecar must continue above its last number: routers drop older ones.
         self._next_seq = time.time_ns() // 1000 if first_seq is None else first_seq
-        self._counts = {"batches": 0, "events": 0, "dropped": 0, "resyncs": 0, "replays": 0}
+        self._counts = {"batches": 0, "events": 0, "resyncs": 0, "replays": 0}
         self._stopping = threading.Event()
-        self._last_batch_s = 0.0  # monotonic time of the last batch with news
+        self._last_news_s = 0.0  # monotonic time of the last batch with news
+        self._last_sent_s = 0.0  # monotonic time of the last batch
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
     # -- BlockListener (store threads: never block) ----------------------------------
 
     def blocks_listed(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer("listed", metas)
+        self._inbox.offer("listed", metas)
 
     def blocks_unlisted(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer("unlisted", metas)
+        self._inbox.offer("unlisted", metas)
 
     def blocks_in_memory(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer("in_memory", metas)
+        self._inbox.offer("in_memory", metas)
 
     def blocks_out_of_memory(self, keys: Sequence[bytes]) -> None:
-        self._offer("out_of_memory", keys)
-
-    def _offer(self, news: str, items: Sequence[Any]) -> None:
-        try:
-            self._queue.put_nowait((news, items))
-        except queue.Full:
-            self._counts["dropped"] += len(items)  # a lost increment only undercounts drops
-            self._resync.set()
+        self._inbox.offer("out_of_memory", keys)
 
     # -- life -----------------------------------------------------------------------
 
     def start(self, listed: list[BlockMeta], in_memory: set[bytes]) -> None:
         """Publish a clear and the store's blocks (`listed`, parents first; `in_memory`, those
-        held whole in memory), then follow the queue."""
+        held whole in memory), then follow the news."""
         self._start = (listed, in_memory)
         self._thread.start()
 
@@ -223,8 +227,8 @@ class Publisher:
     def stats(self) -> PublisherStats:
         counts = self._counts
         return PublisherStats(
-            counts["batches"], counts["events"], counts["dropped"], counts["resyncs"], counts["replays"],
-            self._queue.qsize(), self._next_seq - 1,
+            counts["batches"], counts["events"], self._inbox.dropped, counts["resyncs"], counts["replays"],
+            len(self._inbox), self._next_seq - 1,
         )  # fmt: skip
 
     @property
@@ -235,61 +239,50 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            self._send(self._view.reset(*self._start))
-            last_sent = time.monotonic()
-            while not (self._stopping.is_set() and self._queue.empty()):
-                self._serve_replay()
-                if self._resync.is_set():
-                    self._resync_now()
-                    last_sent = time.monotonic()
-                    continue
-                events = self._next_events(timeout_s=0.02)
-                now = time.monotonic()
-                if events or now - last_sent >= self.config.heartbeat_s:
-                    self._send(events)
-                    last_sent = now
+            self._publish(self._view.reset(*self._start))
+            while not (self._stopping.is_set() and not len(self._inbox)):
+                self._step()
         except Exception:  # the store goes on without events; say so once, loudly
             log.exception("kv-events publisher stopped")
 
-    def _next_events(self, timeout_s: float) -> list[wire.Event]:
-        """The events of the news queued now (waiting up to `timeout_s` for the first)."""
-        try:
-            items = [self._queue.get(timeout=timeout_s)]
-        except queue.Empty:
-            return []
-        if time.monotonic() - self._last_batch_s < BURST_GAP_S:
-            time.sleep(LINGER_S)
-        with contextlib.suppress(queue.Empty):
-            while len(items) < 4096:
-                items.append(self._queue.get_nowait())
-        view = self._view
-        apply: dict[str, Callable[[Any], Iterable[wire.Event]]] = {
-            "listed": view.listed, "unlisted": view.unlisted,
-            "in_memory": view.in_memory, "out_of_memory": view.out_of_memory,
-        }  # fmt: skip
+    def _step(self) -> None:
+        """Answer replays, then publish the news waiting (or a heartbeat, or sleep)."""
+        self._serve_replay()
+        inbox = self._inbox
+        if inbox.overflowed:
+            self._resync_now()
+            return
+        if not len(inbox):
+            until_heartbeat = self._last_sent_s + self.config.heartbeat_s - time.monotonic()
+            if until_heartbeat <= 0:
+                self._publish([])
+            elif not self._stopping.is_set():
+                inbox.wait(min(IDLE_WAIT_S, until_heartbeat))
+            return
+        if time.monotonic() - self._last_news_s < BURST_GAP_S:
+            time.sleep(LINGER_S)  # a burst: let it gather into one batch
         events: list[wire.Event] = []
-        for news, payload in items:
-            events.extend(apply[news](payload))
-        return events
+        for news, payload in inbox.take(MAX_BATCH_ITEMS):
+            events += self._apply[news](payload)
+        self._publish(events)
 
     def _resync_now(self) -> None:
-        """News was dropped: forget the queue, read the store afresh, publish a snapshot."""
-        self._resync.clear()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
+        """News was dropped: forget the inbox, read the store afresh, publish a snapshot."""
+        self._inbox.clear()  # first: news dropped while the store is read calls for another
         self._counts["resyncs"] += 1
-        self._send(self._view.reset(self._store.listed_blocks(), self._store.keys_in_memory()))
+        snapshot = self._view.reset(self._store.listed_blocks(), self._store.keys_in_memory())
+        self._publish(snapshot)
 
-    def _send(self, events: list[wire.Event]) -> None:
+    def _publish(self, events: list[wire.Event]) -> None:
         seq = self._next_seq
         self._next_seq += 1
         payload = self._encode(events)
         self._sockets.pub.send_multipart((self._topic, self._wire.encode_seq(seq), payload))
         self._buffer.append((seq, payload))
         self._counts["batches"] += 1
+        self._last_sent_s = time.monotonic()
         if events:
-            self._last_batch_s = time.monotonic()
+            self._last_news_s = self._last_sent_s
         self._counts["events"] += len(events)
 
     def _encode(self, events: list[wire.Event]) -> bytes:

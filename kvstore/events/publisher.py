@@ -6,7 +6,8 @@ when it is full the news is dropped and counted, and the publisher publishes a f
 (`AllBlocksCleared`, then every block) once it has caught up, so a subscriber's view is right
 again. Everything else (router hashes, token lists, msgpack, ZMQ) happens on the publisher's
 thread, which in Python still takes the GIL from the storing threads: it wakes as little as it
-can (one batch per burst of stores). The PUB socket drops messages for a subscriber that does not read
+can (one batch per burst of stores) and bounds what replay requests may make it do
+(kvstore/events/replay.py). The PUB socket drops messages for a subscriber that does not read
 past its high-water mark (ZMQ's own rule), so a stalled subscriber costs nothing either.
 
 What a subscriber sees:
@@ -19,8 +20,9 @@ What a subscriber sees:
   empty batch after `heartbeat_s` without news, so a router that (re)started late notices the
   sequence it missed at once and asks for a replay;
 - on the replay socket, the batches from the asked sequence on, from a buffer of the last
-  `replay_batches`; a sequence older than the buffer is answered with a snapshot (one batch
-  starting with `AllBlocksCleared`, numbered as the newest published batch), never a hang.
+  `replay_batches`; a sequence older than the buffer (or too far back) is answered with a
+  snapshot shared by every request for that state, numbered as the batch it describes, and the
+  batches after it (kvstore/events/history.py), never a hang.
 
 What was announced is kept by a `RouterView` (kvstore/events/view.py: references to the blocks'
 metadata, no copy), which this thread alone touches: a snapshot it sends is exact at the
@@ -32,14 +34,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import InvalidInputError
 from kvstore.events.config import EventsConfig
+from kvstore.events.history import History
 from kvstore.events.inbox import Inbox
+from kvstore.events.replay import ReplayServer
 from kvstore.format.block_meta import BlockMeta
 
 if TYPE_CHECKING:
@@ -72,6 +75,8 @@ class PublisherStats:
     replays: int  # replay requests read
     queued: int
     last_seq: int
+    replays_refused: int = 0  # replay requests answered with the end marker alone (a bound)
+    snapshots: int = 0  # snapshots built for replay answers
 
 
 class WatchedStore(Protocol):
@@ -182,11 +187,15 @@ class Publisher:
             "in_memory": self._view.in_memory, "out_of_memory": self._view.out_of_memory,
         }  # fmt: skip
         self._start: tuple[list[BlockMeta], set[bytes]] = ([], set())
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
+        self._history = History(config.replay_batches, lambda: self._encode(self._view.snapshot()))
+        self._replay = (
+            None if sockets.replay is None
+            else ReplayServer(sockets.replay, config, self._topic, self._history)
+        )  # fmt: skip
         self._encoder = wire_encoder()
         # A restarted sidecar must continue above its last number: routers drop older ones.
         self._next_seq = time.time_ns() // 1000 if first_seq is None else first_seq
-        self._counts = {"batches": 0, "events": 0, "resyncs": 0, "replays": 0}
+        self._counts = {"batches": 0, "events": 0, "resyncs": 0}
         self._stopping = threading.Event()
         self._last_news_s = 0.0  # monotonic time of the last batch with news
         self._last_sent_s = 0.0  # monotonic time of the last batch
@@ -225,10 +234,11 @@ class Publisher:
         self._sockets.close()
 
     def stats(self) -> PublisherStats:
-        counts = self._counts
+        counts, replay = self._counts, self._replay
         return PublisherStats(
-            counts["batches"], counts["events"], self._inbox.dropped, counts["resyncs"], counts["replays"],
-            len(self._inbox), self._next_seq - 1,
+            counts["batches"], counts["events"], self._inbox.dropped, counts["resyncs"],
+            replay.requests if replay else 0, len(self._inbox), self._next_seq - 1,
+            replay.refused if replay else 0, self._history.builds,
         )  # fmt: skip
 
     @property
@@ -239,7 +249,7 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            self._publish(self._view.reset(*self._start))
+            self._publish(self._view.reset(*self._start), snapshot=True)
             while not (self._stopping.is_set() and not len(self._inbox)):
                 self._step()
         except Exception:  # the store goes on without events; say so once, loudly
@@ -247,7 +257,8 @@ class Publisher:
 
     def _step(self) -> None:
         """Answer replays, then publish the news waiting (or a heartbeat, or sleep)."""
-        self._serve_replay()
+        if self._replay is not None:
+            self._replay.serve()
         inbox = self._inbox
         if inbox.overflowed:
             self._resync_now()
@@ -271,14 +282,14 @@ class Publisher:
         self._inbox.clear()  # first: news dropped while the store is read calls for another
         self._counts["resyncs"] += 1
         snapshot = self._view.reset(self._store.listed_blocks(), self._store.keys_in_memory())
-        self._publish(snapshot)
+        self._publish(snapshot, snapshot=True)
 
-    def _publish(self, events: list[wire.Event]) -> None:
+    def _publish(self, events: list[wire.Event], *, snapshot: bool = False) -> None:
         seq = self._next_seq
         self._next_seq += 1
         payload = self._encode(events)
         self._sockets.pub.send_multipart((self._topic, self._wire.encode_seq(seq), payload))
-        self._buffer.append((seq, payload))
+        self._history.append(seq, payload, is_snapshot=snapshot)
         self._counts["batches"] += 1
         self._last_sent_s = time.monotonic()
         if events:
@@ -288,34 +299,6 @@ class Publisher:
     def _encode(self, events: list[wire.Event]) -> bytes:
         batch = self._wire.EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
         return bytes(self._encoder.encode(batch))
-
-    def _serve_replay(self) -> None:
-        """Answer every waiting replay request (a ROUTER never blocks on a send)."""
-        replay = self._sockets.replay
-        while replay is not None and replay.poll(0):
-            frames = replay.recv_multipart()
-            self._counts["replays"] += 1
-            client = frames[0]
-            try:
-                if len(frames) != 3:
-                    raise ValueError(f"a replay request is [identity, b'', seq], got {len(frames)} frames")
-                start = self._wire.decode_seq(frames[2])
-            except ValueError as exc:
-                log.warning("kv-events: bad replay request: %s", exc)
-                replay.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
-                continue
-            for seq, payload in self._replay_batches(start):
-                replay.send_multipart((client, b"", self._topic, self._wire.encode_seq(seq), payload))
-            replay.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
-
-    def _replay_batches(self, start: int) -> list[tuple[int, bytes]]:
-        """The batches from `start` on; a snapshot when `start` is older than the buffer."""
-        last = self._next_seq - 1
-        if start > last:
-            return []
-        if self._buffer and start >= self._buffer[0][0]:
-            return [(seq, payload) for seq, payload in self._buffer if seq >= start]
-        return [(last, self._encode(self._view.snapshot()))]
 
 
 def wire_encoder() -> Any:

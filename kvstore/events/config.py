@@ -44,7 +44,7 @@ class EventsConfig:
     medium: str = "CPU"
     high_water_mark: int = 10_000
     # A router asks for a replay when it (re)starts or sees a gap: a few a second is generous.
-    replay_intake_rate: float = 1000.0
+    replay_intake_rate: float = 200.0
     replay_client_rate: float = 2.0
     replay_client_burst: int = 4
     replay_total_rate: float = 16.0

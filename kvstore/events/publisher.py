@@ -60,6 +60,11 @@ LINGER_S = 0.02
 BURST_GAP_S = 0.02
 #: Longest sleep while idle: replay requests are looked at this often.
 IDLE_WAIT_S = 0.02
+#: What the replay socket holds of requests not read yet (messages per client, kernel bytes):
+#: small, so that a client that sends faster than they are read is stopped by its own socket
+#: soon, and little is left to read once it stops (kvstore/events/replay.py).
+REPLAY_RCVHWM = 64
+REPLAY_RCVBUF = 1 << 16
 #: News items (one per index change) made into one batch at most.
 MAX_BATCH_ITEMS = 4096
 
@@ -138,6 +143,8 @@ class Sockets:
                 replay = context.socket(zmq.ROUTER)
                 sockets.append(replay)
                 replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+                replay.setsockopt(zmq.RCVBUF, REPLAY_RCVBUF)
                 _attach(replay, config.replay_endpoint, connect=False, what="kv_events replay endpoint")
         except BaseException:
             for sock in sockets:

@@ -194,7 +194,7 @@ class Publisher:
             "in_memory": self._view.in_memory, "out_of_memory": self._view.out_of_memory,
         }  # fmt: skip
         self._start: tuple[list[BlockMeta], set[bytes]] = ([], set())
-        self._history = History(config.replay_batches, lambda: self._encode(self._view.snapshot()))
+        self._history = History(config.replay_batches, self._encode_snapshot)
         self._replay = (
             None if sockets.replay is None
             else ReplayServer(sockets.replay, config, self._topic, self._history)
@@ -295,6 +295,7 @@ class Publisher:
         seq = self._next_seq
         self._next_seq += 1
         payload = self._encode(events)
+        self._view.batch_done()
         self._sockets.pub.send_multipart((self._topic, self._wire.encode_seq(seq), payload))
         self._history.append(seq, payload, is_snapshot=snapshot)
         self._counts["batches"] += 1
@@ -302,6 +303,11 @@ class Publisher:
         if events:
             self._last_news_s = self._last_sent_s
         self._counts["events"] += len(events)
+
+    def _encode_snapshot(self) -> bytes:
+        payload = self._encode(self._view.snapshot())
+        self._view.batch_done()
+        return payload
 
     def _encode(self, events: list[wire.Event]) -> bytes:
         batch = self._wire.EventBatch(ts=time.time(), events=events, data_parallel_rank=0)

@@ -28,11 +28,12 @@ MEMORY_MEDIUM = "CPU"
 class TierView:
     """The router blocks announced on one tier, with how many announced blocks hold each."""
 
-    def __init__(self, medium: str, router_tokens: int) -> None:
+    def __init__(self, medium: str, router_tokens: int, token_lists: dict[bytes, list[int]]) -> None:
         self.medium = medium
         self._router_tokens = router_tokens
         self._holders: dict[int, int] = {}  # router hash -> blocks holding it
         self._hashes: dict[bytes, list[int]] = {}  # block key -> its router hashes
+        self._token_lists = token_lists  # shared by the tiers: a block's list is made once a batch
 
     def holds(self, key: bytes) -> bool:
         return key in self._hashes
@@ -89,9 +90,12 @@ class TierView:
     def _stored(self, meta: BlockMeta, hashes: list[int], new_from: int) -> wire.BlockStored:
         r = self._router_tokens
         parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
+        tokens = self._token_lists.get(meta.key)
+        if tokens is None:
+            tokens = self._token_lists[meta.key] = meta.tokens.tolist()
         return wire.BlockStored(
             block_hashes=hashes[new_from:] if new_from else hashes, parent_block_hash=parent,
-            token_ids=meta.tokens[new_from * r :].tolist(), block_size=r, lora_id=None,
+            token_ids=tokens[new_from * r :] if new_from else tokens, block_size=r, lora_id=None,
             medium=self.medium, lora_name=None, extra_keys=hashing.extra_keys(meta, len(hashes) - new_from),
         )  # fmt: skip
 
@@ -103,16 +107,23 @@ class RouterView:
         self._medium, self._router_tokens = medium, router_tokens
         self._announced: dict[bytes, BlockMeta] = {}  # listed blocks, parents first
         self._in_memory: set[bytes] = set()  # blocks the index says are whole in memory
-        self._durable = TierView(medium, router_tokens)
-        self._memory = TierView(MEMORY_MEDIUM, router_tokens)
+        # Token lists of the events made since `batch_done`: a block announced on both tiers
+        # (listed, then whole in memory) makes its list once.
+        self._token_lists: dict[bytes, list[int]] = {}
+        self._durable = TierView(medium, router_tokens, self._token_lists)
+        self._memory = TierView(MEMORY_MEDIUM, router_tokens, self._token_lists)
 
     def reset(self, listed: Iterable[BlockMeta], in_memory: Iterable[bytes]) -> list[wire.Event]:
         """Start afresh (a snapshot): a clear, then every block on every tier that holds it."""
         self._announced = {}
         self._in_memory = set(in_memory)
-        self._durable = TierView(self._medium, self._router_tokens)
-        self._memory = TierView(MEMORY_MEDIUM, self._router_tokens)
+        self._durable = TierView(self._medium, self._router_tokens, self._token_lists)
+        self._memory = TierView(MEMORY_MEDIUM, self._router_tokens, self._token_lists)
         return [wire.AllBlocksCleared(), *self.listed(listed)]
+
+    def batch_done(self) -> None:
+        """The events made so far were encoded: their token lists are not needed any more."""
+        self._token_lists.clear()
 
     def snapshot(self) -> list[wire.Event]:
         """A clear, then a stored event for every announced block, parents first, per tier;

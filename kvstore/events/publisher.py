@@ -51,13 +51,13 @@ if TYPE_CHECKING:
     from kvstore.events import wire
 
 log = logging.getLogger(__name__)
-# In a burst (news within BURST_GAP_S of the last batch with news) the first news waits LINGER_S
-# for more, so that a burst of stores is one batch: each batch costs this thread about 150 us of
-# Python beyond its blocks' (waking, msgpack, ZMQ), taken from the storing threads (the GIL).
-# Measured on memory-only stores of 0.6 ms: 5 ms lingers made batches of ~8 stores and cost ~15 us
-# a store, 20 ms ones batches of ~20 and ~8 us. Outside a burst news is published at once.
+# After a batch with news the publisher sleeps LINGER_S, so that a burst of stores is a few
+# batches: each batch costs this thread hundreds of us beyond its blocks', mostly taking the GIL
+# back from the storing threads after each call that let it go (a sleep or a wait, each ZMQ frame
+# sent, the replay socket's look). Measured on memory-only stores of 0.6 ms: 5 ms lingers made
+# batches of ~8 stores, 20 ms ones of ~30; a burst sleeps once a batch and never waits on the
+# wake-up event as well. News after a quiet spell is published at once.
 LINGER_S = 0.02
-BURST_GAP_S = 0.02
 #: Longest sleep while idle: replay requests are looked at this often.
 IDLE_WAIT_S = 0.02
 #: What the replay socket holds of requests not read yet (messages per client, kernel bytes):
@@ -204,7 +204,6 @@ class Publisher:
         self._next_seq = time.time_ns() // 1000 if first_seq is None else first_seq
         self._counts = {"batches": 0, "events": 0, "resyncs": 0}
         self._stopping = threading.Event()
-        self._last_news_s = 0.0  # monotonic time of the last batch with news
         self._last_sent_s = 0.0  # monotonic time of the last batch
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
@@ -270,19 +269,19 @@ class Publisher:
         if inbox.overflowed:
             self._resync_now()
             return
-        if not len(inbox):
-            until_heartbeat = self._last_sent_s + self.config.heartbeat_s - time.monotonic()
-            if until_heartbeat <= 0:
-                self._publish([])
-            elif not self._stopping.is_set():
-                inbox.wait(min(IDLE_WAIT_S, until_heartbeat))
+        if len(inbox):
+            events: list[wire.Event] = []
+            for news, payload in inbox.take(MAX_BATCH_ITEMS):
+                events += self._apply[news](payload)
+            self._publish(events)
+            if events and not self._stopping.is_set():
+                time.sleep(LINGER_S)  # a burst may go on: let its next stores gather into one batch
             return
-        if time.monotonic() - self._last_news_s < BURST_GAP_S:
-            time.sleep(LINGER_S)  # a burst: let it gather into one batch
-        events: list[wire.Event] = []
-        for news, payload in inbox.take(MAX_BATCH_ITEMS):
-            events += self._apply[news](payload)
-        self._publish(events)
+        until_heartbeat = self._last_sent_s + self.config.heartbeat_s - time.monotonic()
+        if until_heartbeat <= 0:
+            self._publish([])
+        elif not self._stopping.is_set():
+            inbox.wait(min(IDLE_WAIT_S, until_heartbeat))  # the first news wakes it: published at once
 
     def _resync_now(self) -> None:
         """News was dropped: forget the inbox, read the store afresh, publish a snapshot."""
@@ -300,8 +299,6 @@ class Publisher:
         self._history.append(seq, payload, is_snapshot=snapshot)
         self._counts["batches"] += 1
         self._last_sent_s = time.monotonic()
-        if events:
-            self._last_news_s = self._last_sent_s
         self._counts["events"] += len(events)
 
     def _encode_snapshot(self) -> bytes:

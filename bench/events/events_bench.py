@@ -66,7 +66,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"block_tokens": BLOCK, "router_block_tokens": ROUTER}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         out |= _lost_and_throughput(Path(tmp), 2_000 if quick else 10_000, 200 if quick else 500)
-        out |= replay_flood(Path(tmp) / "flood", 100 if quick else 400, 40 if quick else 100)
+        out |= replay_flood(Path(tmp) / "flood", 100 if quick else 400, 40 if quick else 200)
         python = dynamo_python()
         if python is None:
             out["dynamo_unavailable"] = "no Dynamo venv: bash bench/events/setup_dynamo.sh"

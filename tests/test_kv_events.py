@@ -373,10 +373,15 @@ def test_llm_d_style_the_sidecar_connects_to_a_subscriber_that_binds(
     with TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)) as store:
         publisher = open_publisher(config, BLOCK, store)
         try:
+            # A PUB drops what it sends before its connection is up (llm-d has no replay): store
+            # once a first batch (the snapshot or a heartbeat) has arrived
+            assert sub.poll(10_000), "nothing arrived on the subscriber's bound socket"
             tokens = make_tokens(BLOCK, seed=4)
             store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
             stored = None
+            deadline = time.monotonic() + 30
             while stored is None:
+                assert time.monotonic() < deadline, "the stored block was never published"
                 assert sub.poll(10_000), "nothing arrived on the subscriber's bound socket"
                 topic, _seq, payload = sub.recv_multipart()
                 assert topic == b"kv@pod-1@tiny"

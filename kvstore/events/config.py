@@ -26,6 +26,11 @@ class EventsConfig:
         medium: the tier label of the store's blocks (`medium_of` below).
         high_water_mark: messages ZMQ keeps for one subscriber before it drops that
             subscriber's messages (it never blocks the publisher).
+        replay_intake_rate: replay requests read per second, all clients together (the rest
+            wait in ZMQ's queues; kvstore/events/replay.py).
+        replay_client_rate, replay_client_burst: replay answers per second one client (ROUTER
+            identity) may get, and how many at once; over the bound: the end marker alone.
+        replay_total_rate, replay_total_burst: the same bound for all clients together.
     """
 
     endpoint: str
@@ -38,6 +43,12 @@ class EventsConfig:
     heartbeat_s: float = 1.0
     medium: str = "CPU"
     high_water_mark: int = 10_000
+    # A router asks for a replay when it (re)starts or sees a gap: a few a second is generous.
+    replay_intake_rate: float = 200.0
+    replay_client_rate: float = 2.0
+    replay_client_burst: int = 4
+    replay_total_rate: float = 16.0
+    replay_total_burst: int = 32
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -54,8 +65,17 @@ class EventsConfig:
                 f"mark must be >= 1, got {self.router_block_tokens}, {self.queue_size}, "
                 f"{self.replay_batches}, {self.high_water_mark}"
             )
+        self._check_replay_bounds()
         if not 0 < self.heartbeat_s <= 3600:
             raise InvalidInputError(f"kv_events_heartbeat_s must be in (0, 3600], got {self.heartbeat_s}")
+
+    def _check_replay_bounds(self) -> None:
+        rates = (self.replay_intake_rate, self.replay_client_rate, self.replay_total_rate)
+        if not all(rate > 0 for rate in rates) or min(self.replay_client_burst, self.replay_total_burst) < 1:
+            raise InvalidInputError(
+                "kv_events replay rates must be > 0 and bursts >= 1, got rates "
+                f"{rates} and bursts {self.replay_client_burst}, {self.replay_total_burst}"
+            )
 
     def check_block_tokens(self, block_tokens: int) -> None:
         """Refuse a router block size that does not divide the store's blocks."""

@@ -1,10 +1,14 @@
 """The KV-event publisher: store threads queue news, one thread publishes it over ZMQ.
 
-Never in the way of a store or a load: the store's threads only put a reference on a bounded
-queue (`put_nowait`); when it is full the news is dropped and counted, and the publisher
-publishes a fresh snapshot (`AllBlocksCleared`, then every block) once it has caught up, so a
-subscriber's view is right again. The PUB socket drops messages for a subscriber that does not
-read past its high-water mark (ZMQ's own rule), so a stalled subscriber costs nothing either.
+Never in the way of a store or a load: a store's thread only appends a reference to the
+index's news to a bounded inbox (kvstore/events/inbox.py: no lock, no wake-up in a burst);
+when it is full the news is dropped and counted, and the publisher publishes a fresh snapshot
+(`AllBlocksCleared`, then every block) once it has caught up, so a subscriber's view is right
+again. Everything else (router hashes, token lists, msgpack, ZMQ) happens on the publisher's
+thread, which in Python still takes the GIL from the storing threads: it wakes as little as it
+can (one batch per burst of stores) and bounds what replay requests may make it do
+(kvstore/events/replay.py). The PUB socket drops messages for a subscriber that does not read
+past its high-water mark (ZMQ's own rule), so a stalled subscriber costs nothing either.
 
 What a subscriber sees:
 
@@ -16,8 +20,9 @@ What a subscriber sees:
   empty batch after `heartbeat_s` without news, so a router that (re)started late notices the
   sequence it missed at once and asks for a replay;
 - on the replay socket, the batches from the asked sequence on, from a buffer of the last
-  `replay_batches`; a sequence older than the buffer is answered with a snapshot (one batch
-  starting with `AllBlocksCleared`, numbered as the newest published batch), never a hang.
+  `replay_batches`; a sequence older than the buffer (or too far back) is answered with a
+  snapshot shared by every request for that state, numbered as the batch it describes, and the
+  batches after it (kvstore/events/history.py), never a hang.
 
 What was announced is kept by a `RouterView` (kvstore/events/view.py: references to the blocks'
 metadata, no copy), which this thread alone touches: a snapshot it sends is exact at the
@@ -26,18 +31,18 @@ sequence number it carries.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import InvalidInputError
 from kvstore.events.config import EventsConfig
+from kvstore.events.history import History
+from kvstore.events.inbox import Inbox
+from kvstore.events.replay import ReplayServer
 from kvstore.format.block_meta import BlockMeta
 
 if TYPE_CHECKING:
@@ -46,12 +51,26 @@ if TYPE_CHECKING:
     from kvstore.events import wire
 
 log = logging.getLogger(__name__)
-# In a burst (news within BURST_GAP_S of the last batch) the first news waits LINGER_S for more,
-# so that a burst of stores is one batch: waking this thread once per store made it fight the
-# storing threads for the GIL (measured: 0.6 of the store rate without events, 0.84 with the
-# linger). Outside a burst it is published at once (a sleep costs ~20 ms of lag in a busy sidecar).
-LINGER_S = 0.005
-BURST_GAP_S = 0.002
+# After a batch with news the publisher sleeps (lingers) before it looks again, so that a burst of
+# stores is a few batches: each batch costs this thread hundreds of us beyond its blocks', mostly
+# taking the GIL back from the storing threads after each call that let it go (a sleep or a wait,
+# each ZMQ frame sent, the replay socket's look). The linger starts at LINGER_MIN_S, so that the
+# rest of one Store (a prompt of several blocks) follows its first block within a ms or two, and
+# doubles while news keeps coming up to LINGER_MAX_S, the most a block waits in a sustained burst
+# (measured on memory-only stores of 0.6 ms, interleaved rounds: 0.86-0.90 of the store rate
+# without events with 20 ms, 0.81-1.00 (median 0.96) with 50 ms, none clear at 100 ms). A burst sleeps once
+# a batch and never waits on the wake-up event as well. News after a quiet spell goes at once.
+LINGER_MIN_S = 0.001
+LINGER_MAX_S = 0.05
+#: Longest sleep while idle: replay requests are looked at this often.
+IDLE_WAIT_S = 0.02
+#: What the replay socket holds of requests not read yet (messages per client, kernel bytes):
+#: small, so that a client that sends faster than they are read is stopped by its own socket
+#: soon, and little is left to read once it stops (kvstore/events/replay.py).
+REPLAY_RCVHWM = 64
+REPLAY_RCVBUF = 1 << 16
+#: News items (one per index change) made into one batch at most.
+MAX_BATCH_ITEMS = 4096
 
 
 @dataclass(frozen=True)
@@ -62,9 +81,11 @@ class PublisherStats:
     events: int
     dropped: int
     resyncs: int
-    replays: int
+    replays: int  # replay requests read
     queued: int
     last_seq: int
+    replays_refused: int = 0  # replay requests answered with the end marker alone (a bound)
+    snapshots: int = 0  # snapshots built for replay answers
 
 
 class WatchedStore(Protocol):
@@ -126,6 +147,8 @@ class Sockets:
                 replay = context.socket(zmq.ROUTER)
                 sockets.append(replay)
                 replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+                replay.setsockopt(zmq.RCVBUF, REPLAY_RCVBUF)
                 _attach(replay, config.replay_endpoint, connect=False, what="kv_events replay endpoint")
         except BaseException:
             for sock in sockets:
@@ -168,45 +191,46 @@ class Publisher:
         self._sockets = sockets
         self._store = store  # read afresh when news was dropped
         self._topic = config.topic.encode()
-        self._queue: queue.Queue[tuple[str, Sequence[Any]]] = queue.Queue(config.queue_size)
-        self._resync = threading.Event()  # news was dropped: publish a fresh snapshot
+        self._inbox = Inbox(config.queue_size)
         self._view = RouterView(config.medium, config.router_block_tokens)
+        self._apply: dict[str, Callable[[Any], list[wire.Event]]] = {
+            "listed": self._view.listed, "unlisted": self._view.unlisted,
+            "in_memory": self._view.in_memory, "out_of_memory": self._view.out_of_memory,
+        }  # fmt: skip
         self._start: tuple[list[BlockMeta], set[bytes]] = ([], set())
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
+        self._history = History(config.replay_batches, self._encode_snapshot)
+        self._replay = (
+            None if sockets.replay is None
+            else ReplayServer(sockets.replay, config, self._topic, self._history)
+        )  # fmt: skip
         self._encoder = wire_encoder()
         # A restarted sidecar must continue above its last number: routers drop older ones.
         self._next_seq = time.time_ns() // 1000 if first_seq is None else first_seq
-        self._counts = {"batches": 0, "events": 0, "dropped": 0, "resyncs": 0, "replays": 0}
+        self._counts = {"batches": 0, "events": 0, "resyncs": 0}
         self._stopping = threading.Event()
-        self._last_batch_s = 0.0  # monotonic time of the last batch with news
+        self._last_sent_s = 0.0  # monotonic time of the last batch
+        self._linger_s = LINGER_MIN_S
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
     # -- BlockListener (store threads: never block) ----------------------------------
 
     def blocks_listed(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer("listed", metas)
+        self._inbox.offer("listed", metas)
 
     def blocks_unlisted(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer("unlisted", metas)
+        self._inbox.offer("unlisted", metas)
 
     def blocks_in_memory(self, metas: Sequence[BlockMeta]) -> None:
-        self._offer("in_memory", metas)
+        self._inbox.offer("in_memory", metas)
 
     def blocks_out_of_memory(self, keys: Sequence[bytes]) -> None:
-        self._offer("out_of_memory", keys)
-
-    def _offer(self, news: str, items: Sequence[Any]) -> None:
-        try:
-            self._queue.put_nowait((news, items))
-        except queue.Full:
-            self._counts["dropped"] += len(items)  # a lost increment only undercounts drops
-            self._resync.set()
+        self._inbox.offer("out_of_memory", keys)
 
     # -- life -----------------------------------------------------------------------
 
     def start(self, listed: list[BlockMeta], in_memory: set[bytes]) -> None:
         """Publish a clear and the store's blocks (`listed`, parents first; `in_memory`, those
-        held whole in memory), then follow the queue."""
+        held whole in memory), then follow the news."""
         self._start = (listed, in_memory)
         self._thread.start()
 
@@ -221,10 +245,11 @@ class Publisher:
         self._sockets.close()
 
     def stats(self) -> PublisherStats:
-        counts = self._counts
+        counts, replay = self._counts, self._replay
         return PublisherStats(
-            counts["batches"], counts["events"], counts["dropped"], counts["resyncs"], counts["replays"],
-            self._queue.qsize(), self._next_seq - 1,
+            counts["batches"], counts["events"], self._inbox.dropped, counts["resyncs"],
+            replay.requests if replay else 0, len(self._inbox), self._next_seq - 1,
+            replay.refused if replay else 0, self._history.builds,
         )  # fmt: skip
 
     @property
@@ -235,94 +260,62 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            self._send(self._view.reset(*self._start))
-            last_sent = time.monotonic()
-            while not (self._stopping.is_set() and self._queue.empty()):
-                self._serve_replay()
-                if self._resync.is_set():
-                    self._resync_now()
-                    last_sent = time.monotonic()
-                    continue
-                events = self._next_events(timeout_s=0.02)
-                now = time.monotonic()
-                if events or now - last_sent >= self.config.heartbeat_s:
-                    self._send(events)
-                    last_sent = now
+            self._publish(self._view.reset(*self._start), snapshot=True)
+            while not (self._stopping.is_set() and not len(self._inbox)):
+                self._step()
         except Exception:  # the store goes on without events; say so once, loudly
             log.exception("kv-events publisher stopped")
 
-    def _next_events(self, timeout_s: float) -> list[wire.Event]:
-        """The events of the news queued now (waiting up to `timeout_s` for the first)."""
-        try:
-            items = [self._queue.get(timeout=timeout_s)]
-        except queue.Empty:
-            return []
-        if time.monotonic() - self._last_batch_s < BURST_GAP_S:
-            time.sleep(LINGER_S)
-        with contextlib.suppress(queue.Empty):
-            while len(items) < 4096:
-                items.append(self._queue.get_nowait())
-        view = self._view
-        apply: dict[str, Callable[[Any], Iterable[wire.Event]]] = {
-            "listed": view.listed, "unlisted": view.unlisted,
-            "in_memory": view.in_memory, "out_of_memory": view.out_of_memory,
-        }  # fmt: skip
-        events: list[wire.Event] = []
-        for news, payload in items:
-            events.extend(apply[news](payload))
-        return events
+    def _step(self) -> None:
+        """Answer replays, then publish the news waiting (or a heartbeat, or sleep)."""
+        if self._replay is not None:
+            self._replay.serve()
+        inbox = self._inbox
+        if inbox.overflowed:
+            self._resync_now()
+            return
+        if len(inbox):
+            events: list[wire.Event] = []
+            for news, payload in inbox.take(MAX_BATCH_ITEMS):
+                events += self._apply[news](payload)
+            self._publish(events)
+            if events and not self._stopping.is_set():
+                time.sleep(self._linger_s)  # a burst may go on: let its next news gather
+                more = len(inbox) > 0
+                self._linger_s = min(2 * self._linger_s, LINGER_MAX_S) if more else LINGER_MIN_S
+            return
+        until_heartbeat = self._last_sent_s + self.config.heartbeat_s - time.monotonic()
+        if until_heartbeat <= 0:
+            self._publish([])
+        elif not self._stopping.is_set():
+            inbox.wait(min(IDLE_WAIT_S, until_heartbeat))  # the first news wakes it: published at once
 
     def _resync_now(self) -> None:
-        """News was dropped: forget the queue, read the store afresh, publish a snapshot."""
-        self._resync.clear()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
+        """News was dropped: forget the inbox, read the store afresh, publish a snapshot."""
+        self._inbox.clear()  # first: news dropped while the store is read calls for another
         self._counts["resyncs"] += 1
-        self._send(self._view.reset(self._store.listed_blocks(), self._store.keys_in_memory()))
+        snapshot = self._view.reset(self._store.listed_blocks(), self._store.keys_in_memory())
+        self._publish(snapshot, snapshot=True)
 
-    def _send(self, events: list[wire.Event]) -> None:
+    def _publish(self, events: list[wire.Event], *, snapshot: bool = False) -> None:
         seq = self._next_seq
         self._next_seq += 1
         payload = self._encode(events)
+        self._view.batch_done()
         self._sockets.pub.send_multipart((self._topic, self._wire.encode_seq(seq), payload))
-        self._buffer.append((seq, payload))
+        self._history.append(seq, payload, is_snapshot=snapshot)
         self._counts["batches"] += 1
-        if events:
-            self._last_batch_s = time.monotonic()
+        self._last_sent_s = time.monotonic()
         self._counts["events"] += len(events)
+
+    def _encode_snapshot(self) -> bytes:
+        payload = self._encode(self._view.snapshot())
+        self._view.batch_done()
+        return payload
 
     def _encode(self, events: list[wire.Event]) -> bytes:
         batch = self._wire.EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
         return bytes(self._encoder.encode(batch))
-
-    def _serve_replay(self) -> None:
-        """Answer every waiting replay request (a ROUTER never blocks on a send)."""
-        replay = self._sockets.replay
-        while replay is not None and replay.poll(0):
-            frames = replay.recv_multipart()
-            self._counts["replays"] += 1
-            client = frames[0]
-            try:
-                if len(frames) != 3:
-                    raise ValueError(f"a replay request is [identity, b'', seq], got {len(frames)} frames")
-                start = self._wire.decode_seq(frames[2])
-            except ValueError as exc:
-                log.warning("kv-events: bad replay request: %s", exc)
-                replay.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
-                continue
-            for seq, payload in self._replay_batches(start):
-                replay.send_multipart((client, b"", self._topic, self._wire.encode_seq(seq), payload))
-            replay.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
-
-    def _replay_batches(self, start: int) -> list[tuple[int, bytes]]:
-        """The batches from `start` on; a snapshot when `start` is older than the buffer."""
-        last = self._next_seq - 1
-        if start > last:
-            return []
-        if self._buffer and start >= self._buffer[0][0]:
-            return [(seq, payload) for seq, payload in self._buffer if seq >= start]
-        return [(last, self._encode(self._view.snapshot()))]
 
 
 def wire_encoder() -> Any:

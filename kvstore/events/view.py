@@ -9,11 +9,15 @@ memory tier that caches a durable one is announced on `CPU` as well, and removed
 when memory gives up one of its chunks (routers weigh the faster tier higher). Router blocks
 shared by two stored blocks (same parent, same first tokens: kvstore/events/hashing.py) are
 counted per tier, announced once and removed with their last holder.
+
+This runs on the publisher's thread for every stored block, where its Python takes the GIL
+from the storing threads: a block's router hashes are computed once (kept, shared by both
+tiers, reused by snapshots) and the usual case (nothing shared) is a few C calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from kvstore.events import hashing, wire
 from kvstore.format.block_meta import BlockMeta
@@ -24,41 +28,36 @@ MEMORY_MEDIUM = "CPU"
 class TierView:
     """The router blocks announced on one tier, with how many announced blocks hold each."""
 
-    def __init__(self, medium: str, router_tokens: int) -> None:
+    def __init__(self, medium: str, router_tokens: int, token_lists: dict[bytes, list[int]]) -> None:
         self.medium = medium
         self._router_tokens = router_tokens
         self._holders: dict[int, int] = {}  # router hash -> blocks holding it
         self._hashes: dict[bytes, list[int]] = {}  # block key -> its router hashes
+        self._token_lists = token_lists  # shared by the tiers: a block's list is made once a batch
 
     def holds(self, key: bytes) -> bool:
         return key in self._hashes
 
-    def hold(self, meta: BlockMeta) -> wire.BlockStored | None:
-        """Count `meta` as a holder of its router blocks; the event for those not held before.
-        The ones held before lead (a router block's holders hold its parents), so the event
-        starts where they end."""
-        r = self._router_tokens
-        hashes = hashing.router_hashes(meta, r)
+    def hashes_of(self, key: bytes) -> list[int] | None:
+        """The router hashes of a block this tier holds (None: not held)."""
+        return self._hashes.get(key)
+
+    def hold(self, meta: BlockMeta, hashes: list[int]) -> wire.BlockStored | None:
+        """Count `meta` (whose router hashes are `hashes`) as a holder of its router blocks; the
+        event for those not held before. The ones held before lead (a router block's holders
+        hold its parents), so the event starts where they end."""
         self._hashes[meta.key] = hashes
         holders = self._holders
         if hashes[0] not in holders:  # the usual case: nothing shared, one C call
             holders.update(dict.fromkeys(hashes, 1))
-            new_from = 0
-        else:
-            new_from = len(hashes)
-            for index, h in enumerate(hashes):
-                held = holders.get(h, 0)
-                holders[h] = held + 1
-                if not held and index < new_from:
-                    new_from = index
-            if new_from == len(hashes):
-                return None
-        parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
-        return wire.BlockStored(
-            block_hashes=hashes[new_from:], parent_block_hash=parent,
-            token_ids=meta.tokens[new_from * r :].tolist(), block_size=r, lora_id=None,
-            medium=self.medium, lora_name=None, extra_keys=hashing.extra_keys(meta, len(hashes) - new_from),
-        )  # fmt: skip
+            return self._stored(meta, hashes, 0)
+        new_from = len(hashes)
+        for index, h in enumerate(hashes):
+            held = holders.get(h, 0)
+            holders[h] = held + 1
+            if not held and index < new_from:
+                new_from = index
+        return None if new_from == len(hashes) else self._stored(meta, hashes, new_from)
 
     def release(self, key: bytes) -> list[int]:
         """Uncount the block `key` as a holder; the router blocks it was the last holder of."""
@@ -72,6 +71,34 @@ class TierView:
                 gone.append(h)
         return gone
 
+    def describe(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
+        """A stored event for every router block this tier holds, each once, parents first
+        (`metas`: the held blocks in the order they were listed). Reads the kept hashes: no
+        hashing, and the tier is left as it was."""
+        seen: set[int] = set()
+        events: list[wire.Event] = []
+        for meta in metas:
+            hashes = self._hashes[meta.key]
+            new_from = 0
+            while new_from < len(hashes) and hashes[new_from] in seen:
+                new_from += 1
+            if new_from < len(hashes):
+                seen.update(hashes)
+                events.append(self._stored(meta, hashes, new_from))
+        return events
+
+    def _stored(self, meta: BlockMeta, hashes: list[int], new_from: int) -> wire.BlockStored:
+        r = self._router_tokens
+        parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
+        tokens = self._token_lists.get(meta.key)
+        if tokens is None:
+            tokens = self._token_lists[meta.key] = meta.tokens.tolist()
+        return wire.BlockStored(
+            block_hashes=hashes[new_from:] if new_from else hashes, parent_block_hash=parent,
+            token_ids=tokens[new_from * r :] if new_from else tokens, block_size=r, lora_id=None,
+            medium=self.medium, lora_name=None, extra_keys=hashing.extra_keys(meta, len(hashes) - new_from),
+        )  # fmt: skip
+
 
 class RouterView:
     """Every tier's announcements, fed with the index's news; each method returns its events."""
@@ -80,35 +107,53 @@ class RouterView:
         self._medium, self._router_tokens = medium, router_tokens
         self._announced: dict[bytes, BlockMeta] = {}  # listed blocks, parents first
         self._in_memory: set[bytes] = set()  # blocks the index says are whole in memory
-        self._durable = TierView(medium, router_tokens)
-        self._memory = TierView(MEMORY_MEDIUM, router_tokens)
+        # Token lists of the events made since `batch_done`: a block announced on both tiers
+        # (listed, then whole in memory) makes its list once.
+        self._token_lists: dict[bytes, list[int]] = {}
+        self._durable = TierView(medium, router_tokens, self._token_lists)
+        self._memory = TierView(MEMORY_MEDIUM, router_tokens, self._token_lists)
 
     def reset(self, listed: Iterable[BlockMeta], in_memory: Iterable[bytes]) -> list[wire.Event]:
         """Start afresh (a snapshot): a clear, then every block on every tier that holds it."""
-        self._announced = {meta.key: meta for meta in listed}
+        self._announced = {}
         self._in_memory = set(in_memory)
-        return self.snapshot()
+        self._durable = TierView(self._medium, self._router_tokens, self._token_lists)
+        self._memory = TierView(MEMORY_MEDIUM, self._router_tokens, self._token_lists)
+        return [wire.AllBlocksCleared(), *self.listed(listed)]
+
+    def batch_done(self) -> None:
+        """The events made so far were encoded: their token lists are not needed any more."""
+        self._token_lists.clear()
 
     def snapshot(self) -> list[wire.Event]:
-        """A clear, then a stored event for every announced block, parents first, per tier."""
-        self._durable = TierView(self._medium, self._router_tokens)
-        self._memory = TierView(MEMORY_MEDIUM, self._router_tokens)
-        events: list[wire.Event] = [wire.AllBlocksCleared()]
+        """A clear, then a stored event for every announced block, parents first, per tier;
+        the view itself does not change."""
         metas = list(self._announced.values())
-        events += _present(self._durable.hold(m) for m in metas)
-        events += _present(self._memory.hold(m) for m in metas if self._memory_counts(m.key))
+        events: list[wire.Event] = [wire.AllBlocksCleared()]
+        events += self._durable.describe(metas)
+        events += self._memory.describe(m for m in metas if self._memory.holds(m.key))
         return events
 
-    def listed(self, metas: Iterable[BlockMeta]) -> Iterator[wire.Event]:
-        for meta in metas:
-            if meta.key in self._announced:
-                continue
-            self._announced[meta.key] = meta
-            yield from _present([self._durable.hold(meta)])
-            if self._memory_counts(meta.key):
-                yield from _present([self._memory.hold(meta)])
+    @property
+    def num_blocks(self) -> int:
+        """Blocks announced (what a snapshot describes)."""
+        return len(self._announced)
 
-    def unlisted(self, metas: Iterable[BlockMeta]) -> Iterator[wire.Event]:
+    def listed(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
+        events: list[wire.Event] = []
+        announced, r = self._announced, self._router_tokens
+        for meta in metas:
+            if meta.key in announced:
+                continue
+            announced[meta.key] = meta
+            hashes = hashing.router_hashes(meta, r)
+            if (event := self._durable.hold(meta, hashes)) is not None:
+                events.append(event)
+            if self._memory_counts(meta.key) and (event := self._memory.hold(meta, hashes)) is not None:
+                events.append(event)
+        return events
+
+    def unlisted(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
         durable: list[int] = []
         memory: list[int] = []
         for meta in metas:
@@ -116,31 +161,33 @@ class RouterView:
                 durable += self._durable.release(meta.key)
                 memory += self._memory.release(meta.key)
             self._in_memory.discard(meta.key)
-        yield from self._removed(self._durable, durable)
-        yield from self._removed(self._memory, memory)
+        return self._removed(self._durable, durable) + self._removed(self._memory, memory)
 
-    def in_memory(self, metas: Iterable[BlockMeta]) -> Iterator[wire.Event]:
+    def in_memory(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
+        events: list[wire.Event] = []
         for meta in metas:
             self._in_memory.add(meta.key)
             announced = self._announced.get(meta.key)
-            if announced is not None and self._memory_counts(meta.key) and not self._memory.holds(meta.key):
-                yield from _present([self._memory.hold(announced)])
+            if announced is None or not self._memory_counts(meta.key) or self._memory.holds(meta.key):
+                continue
+            hashes = self._durable.hashes_of(meta.key)  # every announced block is held there
+            if hashes is None:
+                hashes = hashing.router_hashes(announced, self._router_tokens)
+            if (event := self._memory.hold(announced, hashes)) is not None:
+                events.append(event)
+        return events
 
-    def out_of_memory(self, keys: Iterable[bytes]) -> Iterator[wire.Event]:
+    def out_of_memory(self, keys: Iterable[bytes]) -> list[wire.Event]:
         gone: list[int] = []
         for key in keys:
             self._in_memory.discard(key)
             gone += self._memory.release(key)
-        yield from self._removed(self._memory, gone)
+        return self._removed(self._memory, gone)
 
     def _memory_counts(self, key: bytes) -> bool:
         """Memory is announced apart only where it caches another tier (else it is `medium`)."""
         return self._medium != MEMORY_MEDIUM and key in self._in_memory
 
-    def _removed(self, tier: TierView, hashes: list[int]) -> Iterator[wire.Event]:
-        if hashes:
-            yield wire.BlockRemoved(block_hashes=hashes, medium=tier.medium)
-
-
-def _present(events: Iterable[wire.BlockStored | None]) -> list[wire.Event]:
-    return [event for event in events if event is not None]
+    @staticmethod
+    def _removed(tier: TierView, hashes: list[int]) -> list[wire.Event]:
+        return [wire.BlockRemoved(block_hashes=hashes, medium=tier.medium)] if hashes else []

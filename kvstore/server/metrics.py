@@ -92,6 +92,8 @@ class EventsCollector:
             ("dropped", stats.dropped, "Block changes dropped because the event queue was full"),
             ("resyncs", stats.resyncs, "Snapshots published after dropped changes"),
             ("replays", stats.replays, "Replay requests answered"),
+            ("replays_refused", stats.replays_refused, "Replay requests over a bound: the end marker alone"),
+            ("snapshots", stats.snapshots, "Snapshots built for replay answers (each shared by its state)"),
         ):
             yield CounterMetricFamily(f"kvsieve_kv_events_{name}", help_text, value=value)
         yield GaugeMetricFamily("kvsieve_kv_events_queued", "Block changes waiting", value=stats.queued)

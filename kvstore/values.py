@@ -3,6 +3,7 @@ checks every implementation runs on what it is given (kvstore/api.py is the cont
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -69,3 +70,14 @@ def check_layer(layer: object, num_layers: int) -> int:
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 0 <= layer < num_layers:
         raise InvalidInputError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
     return int(layer)
+
+
+def check_chunks(chunks: Sequence[int], total: int) -> list[int]:
+    """`chunks` sorted, as ints, or InvalidInputError unless distinct integers in [0, total)."""
+    values = list(chunks)
+    for c in values:
+        if isinstance(c, bool) or not isinstance(c, int | np.integer) or not 0 <= c < total:
+            raise InvalidInputError(f"chunks must be integers in [0, {total}), got {c!r}")
+    if len(set(values)) != len(values):
+        raise InvalidInputError(f"chunks must not repeat an index, got {sorted(values)}")
+    return sorted(int(c) for c in values)

@@ -43,14 +43,20 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
         dtype: the model's dtype name; codec and zstd_level: as kvstore.format.chunk.encode_chunk.
     """
     records = encode_summaries([meta.chunk_id(layer) for layer in range(meta.num_layers)], kv[:, 0])
+    return [*records, *encode_layer_part(meta, kv, dtype, codec, zstd_level)]
+
+
+def encode_layer_part(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
+    """The records of a layered block after its summaries (what a full load reads): the pack of a
+    packed block, else one layer record per layer. Arguments as `encode_layered`."""
     layers = [
         layer_record_parts(meta.chunk_id(meta.record_index(layer, 0)), kv[layer], dtype, meta.chunk_tokens,
                            codec, zstd_level)
         for layer in range(meta.num_layers)
     ]  # fmt: skip
     if meta.is_packed:  # the parts joined once, into the pack
-        return [*records, encode_pack_parts(meta.chunk_id(meta.pack_index), layers)]
-    return [*records, *(b"".join(parts) for parts in layers)]
+        return [encode_pack_parts(meta.chunk_id(meta.pack_index), layers)]
+    return [b"".join(parts) for parts in layers]
 
 
 def layer_geometry(meta: BlockMeta, layer: int, model: ModelSpec) -> LayerGeometry:

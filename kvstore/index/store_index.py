@@ -275,17 +275,20 @@ class StoreIndex:
             self._memory_changed_locked(meta.key, meta)
             return True
 
-    def put_pending(self, root: RootId, meta: BlockMeta, records: Sequence[bytes]) -> Pin | None:
+    def put_pending(
+        self, root: RootId, meta: BlockMeta, records: Sequence[bytes | None], reserve: int = 0
+    ) -> Pin | None:
         """Put a whole block in memory and list it, pinned until its disk write is done (`settle`):
         neither memory nor disk eviction may take a block memory holds the only copy of. One
         step under the memory lock, so no eviction sees it listed and unpinned, or held and
-        unlisted. None (nothing kept, nothing listed) if memory cannot hold it."""
-        size = sum(len(c) for c in records)
+        unlisted. None (nothing kept, nothing listed) if memory cannot hold it. Records that are
+        None come later (deferred summaries, `promote`d): `reserve` bytes are made room for them."""
+        size = sum(len(c) for c in records if c is not None)
         with self._memory_lock:
-            if size > self._memory.capacity_bytes:
+            if size + reserve > self._memory.capacity_bytes:
                 return None
             self._drop_from_memory_locked(meta)
-            self._make_room_locked(size)
+            self._make_room_locked(size + reserve)
             try:
                 self._memory.put_block(meta, records)
             except TierFullError:
@@ -296,8 +299,9 @@ class StoreIndex:
                 pin = self.tree.pin([node])
                 if self._listener is not None:
                     self._listener.blocks_listed((meta,))
-            for index in range(len(records)):
-                self._policy.touch((meta.key, index), meta)
+            for index, record in enumerate(records):
+                if record is not None:
+                    self._policy.touch((meta.key, index), meta)
             self._memory_changed_locked(meta.key, meta)
             return pin
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,11 +34,18 @@ from kvstore.format.key_summary import DecodedSummary, PackedSummary, summary_re
 from kvstore.format.layer_record import decode_layer_record
 from kvstore.format.layered_block import layer_geometry, summary_geometry
 from kvstore.load.ahead import LayersAhead
-from kvstore.load.read_layered import RangedHeader, read_chunk_runs, read_header, read_raw_runs, reads_whole
+from kvstore.load.read_layered import (
+    RangedHeader,
+    layered_run,
+    read_chunk_runs,
+    read_header,
+    read_raw_runs,
+    reads_whole,
+)
 from kvstore.load.summaries import PackedLayer, join_lowbit, join_packed
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
-from kvstore.values import Array, check_layer
+from kvstore.values import Array, check_chunks, check_layer
 from radix import MatchResult
 from radix.tree import Pin
 
@@ -48,32 +55,26 @@ if TYPE_CHECKING:
     from kvstore.tiers.base import Tier
 
 
-def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
-    """The leading matched blocks readable layer by layer: layered, of this model's depth, with
-    the first one's chunk size (a block written under another setting ends the run)."""
-    metas: list[BlockMeta] = []
-    for node in match.nodes:
-        meta: BlockMeta = node.payload
-        if not meta.is_layered or meta.num_layers != model.num_layers:
-            break
-        if metas and meta.chunk_tokens != metas[0].chunk_tokens:
-            break
-        metas.append(meta)
-    return metas
+#: Encodes block `key`'s summaries now if a Store deferred them (no-op otherwise).
+FinishSummaries = Callable[[bytes], object]
 
 
 def open_layered(
     fetcher: RecordFetcher, index: StoreIndex, match: MatchResult, model: ModelSpec,
-    default_chunk_tokens: int, counters: Counters,
+    default_chunk_tokens: int, counters: Counters, finish_summaries: FinishSummaries | None = None,
 ) -> LocalLayeredLoad:  # fmt: skip
-    """A `LocalLayeredLoad` over the layered run of `match`, its blocks pinned (see module docstring)."""
+    """A `LocalLayeredLoad` over the layered run of `match`, its blocks pinned (see module docstring).
+    `finish_summaries`: encodes a just-stored block's deferred summaries (kvstore/store/deferred.py)."""
     metas = layered_run(match, model)
     try:  # the matched nodes themselves: closing the load releases them, never a block stored again
         pin: Pin | None = index.tree.pin(match.nodes[: len(metas)])
     except KeyError:  # a block was evicted between the match and the pin: nothing to read this way
         metas, pin = [], None
     counters.add("layered_loads")
-    return LocalLayeredLoad(fetcher, index, metas, model, default_chunk_tokens, counters, pin=pin)
+    return LocalLayeredLoad(
+        fetcher, index, metas, model, default_chunk_tokens, counters, pin=pin,
+        finish_summaries=finish_summaries,
+    )  # fmt: skip
 
 
 class LocalLayeredLoad:
@@ -86,8 +87,10 @@ class LocalLayeredLoad:
     def __init__(
         self, fetcher: RecordFetcher, index: StoreIndex, metas: list[BlockMeta], model: ModelSpec,
         default_chunk_tokens: int, counters: Counters, *, pin: Pin | None = None,
+        finish_summaries: FinishSummaries | None = None,
     ) -> None:  # fmt: skip
         self._fetcher, self._index, self._metas, self._model = fetcher, index, metas, model
+        self._finish_summaries = finish_summaries
         self._counters = counters
         self.chunk_tokens = metas[0].chunk_tokens if metas else default_chunk_tokens
         self.matched_tokens = sum(m.num_tokens for m in metas)
@@ -204,7 +207,7 @@ class LocalLayeredLoad:
             InvalidInputError: `out` of another shape or dtype.
         """
         self._check_layer(layer)
-        wanted = self._check_chunks(chunks)
+        wanted = check_chunks(chunks, self.matched_tokens // self.chunk_tokens)
         per_block = self._metas[0].chunks_per_layer if self._metas else 1
         chosen = np.asarray(wanted, dtype=np.int64)
         # sorted: each block's chunks are one slice (no scan of every chunk per block)
@@ -257,16 +260,6 @@ class LocalLayeredLoad:
 
     def _check_layer(self, layer: int) -> None:
         check_layer(layer, self.num_layers)
-
-    def _check_chunks(self, chunks: Sequence[int]) -> list[int]:
-        total = self.matched_tokens // self.chunk_tokens
-        values = list(chunks)
-        for c in values:
-            if isinstance(c, bool) or not isinstance(c, int | np.integer) or not 0 <= c < total:
-                raise InvalidInputError(f"chunks must be integers in [0, {total}), got {c!r}")
-        if len(set(values)) != len(values):
-            raise InvalidInputError(f"chunks must not repeat an index, got {sorted(values)}")
-        return sorted(int(c) for c in values)
 
     def _read_block_layer(
         self, meta: BlockMeta, block_index: int, layer: int, mine: list[int], into: Array
@@ -342,6 +335,8 @@ class LocalLayeredLoad:
         """One summary record, fastest tier first, verified (codes packed); promoted to memory from a
         slower tier when the load closes."""
         index = meta.record_index(layer)
+        if self._finish_summaries is not None:  # a block stored just now may not have them yet
+            self._finish_summaries(meta.key)
         for tier in self._fetcher.tiers.all:
             data = self._summary_record(tier, meta, layer)
             if data is None:

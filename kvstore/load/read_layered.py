@@ -31,6 +31,7 @@ from kvstore.values import Array, LoadedChunk
 
 if TYPE_CHECKING:
     from kvstore.tiers.base import Tier
+    from radix import MatchResult
 
 
 def reads_whole(needed: int, chunks_per_layer: int) -> bool:
@@ -310,3 +311,17 @@ def read_chunk_runs(
         for (_, _, members), data in zip(runs, body.data, strict=True)
     ]
     return decoded, sum(len(d) for d in body.data)
+
+
+def layered_run(match: MatchResult, model: ModelSpec) -> list[BlockMeta]:
+    """The leading matched blocks readable layer by layer: layered, of this model's depth, with
+    the first one's chunk size (a block written under another setting ends the run)."""
+    metas: list[BlockMeta] = []
+    for node in match.nodes:
+        meta: BlockMeta = node.payload
+        if not meta.is_layered or meta.num_layers != model.num_layers:
+            break
+        if metas and meta.chunk_tokens != metas[0].chunk_tokens:
+            break
+        metas.append(meta)
+    return metas

@@ -31,6 +31,7 @@ from kvstore.errors import LimitExceededError, StoreFullError, TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.store_index import StoreIndex
 from kvstore.stats import Counters
+from kvstore.store.deferred import DeferredSummaries, SummaryJobs
 from kvstore.tiers.base import Tier
 from kvstore.tiers.behind import BehindQueue
 from kvstore.tiers.stack import TierStack
@@ -47,6 +48,7 @@ class Pending(NamedTuple):
     meta: BlockMeta
     records: Sequence[bytes]  # as the disk stores them
     pin: Pin  # keeps it listed and in memory until the commit (StoreIndex.put_pending)
+    summaries: DeferredSummaries | None = None  # fills `records`' summary slots (deferred.py)
 
 
 def put_durable(tier: Tier, blocks: Sequence[Block], index: StoreIndex) -> int:
@@ -87,8 +89,11 @@ class DiskBehind:
         counters: the store's counters (`bytes_written.<tier>`, `disk_commits`, ...).
     """
 
-    def __init__(self, config: StoreConfig, index: StoreIndex, tiers: TierStack, counters: Counters) -> None:
+    def __init__(
+        self, config: StoreConfig, index: StoreIndex, tiers: TierStack, counters: Counters, jobs: SummaryJobs
+    ) -> None:
         self._config, self._index, self._tiers, self._counters = config, index, tiers, counters
+        self._jobs = jobs  # deferred summaries: encoded here before a block is written, if not yet
         self._queue = BehindQueue[Pending](
             self._commit, config.disk_backlog_bytes, batch_items=config.commit_blocks,
             batch_s=config.commit_ms / 1e3, retry_s=_RETRY_S, on_failure=self._abandon,
@@ -177,7 +182,11 @@ class DiskBehind:
         """One group commit (the worker's write): the blocks still listed, one transaction per
         group that fits the disk budget; each group unpinned once written, so that the next may
         evict it as a synchronous Store would. Raising leaves the batch queued (a group written
-        already is written again then: the same bytes)."""
+        already is written again then: the same bytes). Deferred summaries are encoded first: the
+        disk and the remote tier only ever get whole blocks."""
+        for p in batch:
+            if p.summaries is not None:
+                self._jobs.finish_job(p.summaries)
         for group in _budget_groups(batch, self._budget()):
             live = [(meta, p.records) for p in group if (meta := self._index.listed(p.pin)) is not None]
             try:
@@ -213,6 +222,8 @@ class DiskBehind:
     def _abandon(self, batch: list[Pending]) -> None:
         """Blocks the disk never took (failing at close): unlisted, so that nothing promises them."""
         for p in batch:
+            if p.summaries is not None:
+                self._jobs.drop(p.summaries)
             self._index.settle(p.pin)
             self._index.forget(p.meta.key)
         self._counters.add("disk_backlog_lost", len(batch))

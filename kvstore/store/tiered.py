@@ -162,10 +162,10 @@ class TieredStore:
             if len(match.nodes) < kv_start // b:  # a block before the KV we have is gone
                 return StoreResult(match.num_tokens, 0, 0)
             with self.index.held(match.nodes):  # the parent chain must survive eviction
-                blocks = self.writer.encode_blocks(
+                encoded = self.writer.encode_blocks(
                     toks, kv, scores, kv_start, len(match.nodes), model, root, namespace
                 )
-                written = self.writer.write_blocks(blocks, model, root)
+                written = self.writer.write_blocks(encoded, model, root)
         new_blocks = num_blocks - len(match.nodes)
         self.counters.add("stores")
         self.counters.add("blocks_written", new_blocks)
@@ -207,8 +207,9 @@ class TieredStore:
     ) -> LocalLayeredLoad:
         match = self._match(self._root(model, namespace), as_token_array(tokens))
         return open_layered(
-            self.reader.layer_records, self.index, match, model, self.config.layer_chunk_tokens, self.counters
-        )
+            self.reader.layer_records, self.index, match, model, self.config.layer_chunk_tokens,
+            self.counters, self.writer.summaries.finish,
+        )  # fmt: skip
 
     def load_arrays(self, tokens: Tokens, **kwargs: Any) -> tuple[int, Array, Array]:
         """`load`, gathered: (prefix tokens covered, positions (n,), kv (L, 2, H, n, D))."""

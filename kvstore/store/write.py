@@ -10,8 +10,9 @@ to evict to make room it asks the index; it never decides.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -21,12 +22,13 @@ from kvstore.errors import InvalidInputError, LimitExceededError, StoreFullError
 from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import ChunkId, encode_chunk
 from kvstore.format.key_summary import prepare_encoding
-from kvstore.format.layered_block import encode_layered, memory_record
+from kvstore.format.layered_block import encode_layer_part, encode_layered, memory_record
 from kvstore.index.store_index import StoreIndex
 from kvstore.keys import ROOT_KEY, Root, block_keys
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.store.commit import DiskBehind, Pending, put_durable
+from kvstore.store.deferred import DeferredSummaries, SummaryJobs
 from kvstore.tiers.stack import TierStack
 from kvstore.values import Array
 from radix import MatchResult
@@ -36,6 +38,15 @@ if TYPE_CHECKING:  # kvstore.tiers.remote.link imports redis: only a store with 
 
 
 NewBlock = tuple[BlockMeta, list[bytes]]
+
+
+class Encoded(NamedTuple):
+    """New blocks of one Store, and each one's deferred summaries (None: encoded already)."""
+
+    blocks: list[NewBlock]  # a deferred block's summary slots are None until its job finishes
+    jobs: list[DeferredSummaries | None]
+
+
 MAX_RECORDS = 65535  # records per block: chunk indices are u16 in chunk keys (docs/keys.md)
 
 
@@ -54,9 +65,11 @@ class BlockWriter:
         self._index = index
         self.tiers = tiers
         self._counters = counters
+        #: Layered blocks' key summaries not encoded yet (write-behind only: kvstore/store/deferred.py).
+        self.summaries = SummaryJobs(index.promote)
         # The disk write-behind, where there is a disk and stores are not synchronous.
         self.behind = (
-            DiskBehind(config, index, tiers, counters)
+            DiskBehind(config, index, tiers, counters, self.summaries)
             if tiers.local_durable and not config.sync_stores
             else None
         )
@@ -66,15 +79,19 @@ class BlockWriter:
     def encode_blocks(
         self, toks: Array, kv: Array, scores: Array | None, kv_start: int, first: int,
         model: ModelSpec, root: Root, namespace: str,
-    ) -> list[NewBlock]:  # fmt: skip
-        """Encode blocks `first`.. of `toks` (KV from token `kv_start`), each in importance order."""
+    ) -> Encoded:  # fmt: skip
+        """Encode blocks `first`.. of `toks` (KV from token `kv_start`), each in importance order or
+        layered; with the disk write-behind a layered block's summaries are deferred (see
+        kvstore/store/deferred.py)."""
         keys = block_keys(toks, self._config.block_tokens, model.fingerprint, root[0])
-        return [
-            self._encode_block(toks, kv, scores, kv_start, keys, index, model, root, namespace)
-            for index in range(first, len(keys))
-        ]
+        encoded = Encoded([], [])
+        for index in range(first, len(keys)):
+            block, job = self._encode_block(toks, kv, scores, kv_start, keys, index, model, root, namespace)
+            encoded.blocks.append(block)
+            encoded.jobs.append(job)
+        return encoded
 
-    def write_blocks(self, blocks: list[NewBlock], model: ModelSpec, root: Root) -> int:
+    def write_blocks(self, encoded: Encoded, model: ModelSpec, root: Root) -> int:
         """Write new blocks; returns their bytes as the durable tiers store them.
 
         Write-behind (`self.behind` set): acknowledged once memory holds them and the index lists
@@ -82,20 +99,24 @@ class BlockWriter:
         blocks memory cannot hold: local durable tiers first (all blocks in one transaction),
         then memory, then the index, then the shared tier's queue.
         """
+        blocks, jobs = encoded
         if not blocks:
             return 0
         needed = sum(meta.nbytes for meta, _ in blocks)
-        raw = self._config.codec == "raw"  # memory holds raw chunks: no zstd on the hot path
-        in_memory = [(m, c if raw else [memory_record(x, model.dtype, m) for x in c]) for m, c in blocks]
+        in_memory = [self._memory_block(block, model) for block in blocks]
         done = 0
         if self.behind is not None:
             if self.behind.fits_budget(needed):
-                done = self._write_behind(self.behind, blocks, in_memory, root)
+                done = self._write_behind(self.behind, encoded, in_memory, root)
                 if done == len(blocks):
                     return needed
             # What memory cannot hold (or the disk budget cannot take at once) goes to disk now,
             # after the backlog: a block's parent is never committed after it.
-            blocks, in_memory = blocks[done:], in_memory[done:]
+            for job in jobs[done:]:
+                if job is not None:
+                    self.summaries.finish_job(job, to_memory=False)
+            blocks = blocks[done:]
+            in_memory = [self._memory_block(block, model) for block in blocks]
             if not self.behind.flush(self._config.backlog_wait_s):
                 raise LimitExceededError(
                     f"{len(blocks)} blocks fit neither memory nor the disk write-behind backlog, "
@@ -105,23 +126,37 @@ class BlockWriter:
         self._write_through(blocks, in_memory, root)
         return needed
 
+    def _memory_block(self, block: NewBlock, model: ModelSpec) -> NewBlock:
+        """What memory holds of a new block: raw chunks (no zstd on the hot path), summaries as
+        they are (a deferred block's None until encoded)."""
+        meta, records = block
+        if self._config.codec == "raw":
+            return meta, list(records)
+        return meta, [x if x is None else memory_record(x, model.dtype, meta) for x in records]
+
     def _write_behind(
-        self, behind: DiskBehind, blocks: list[NewBlock], in_memory: list[NewBlock], root: Root
+        self, behind: DiskBehind, encoded: Encoded, in_memory: list[NewBlock], root: Root
     ) -> int:
         """Acknowledge blocks from memory and queue them for the disk, in order; returns how many
         (the first that memory cannot hold stops it). Raises `LimitExceededError` when the
         backlog has no room for them within `backlog_wait_s`."""
-        sizes = [meta.nbytes for meta, _ in blocks]
+        sizes = [meta.nbytes for meta, _ in encoded.blocks]
         behind.make_room(sum(sizes))
         behind.admit(sum(sizes))
-        for index, ((meta, records), (_, held)) in enumerate(zip(blocks, in_memory, strict=True)):
-            pin = self._index.put_pending(root, meta, held)
+        for index, ((meta, records), (_, held), job) in enumerate(
+            zip(encoded.blocks, in_memory, encoded.jobs, strict=True)
+        ):
+            if job is not None:  # before the block is listed: a load that finds it finds its job
+                self.summaries.add(job)
+            pin = self._index.put_pending(root, meta, held, reserve=meta.nbytes - _bytes(held))
             if pin is None:
+                if job is not None:
+                    self.summaries.drop(job)
                 behind.release(sum(sizes[index:]))
                 return index
-            self._counters.add("bytes_written.memory", sum(len(x) for x in held))
-            behind.submit(Pending(meta, records, pin))
-        return len(blocks)
+            self._counters.add("bytes_written.memory", _bytes(held))
+            behind.submit(Pending(meta, records, pin, job))
+        return len(encoded.blocks)
 
     def _write_through(self, blocks: list[NewBlock], in_memory: list[NewBlock], root: Root) -> None:
         """Today's order: durable tiers (one transaction), memory, the index, the remote queue."""
@@ -174,7 +209,7 @@ class BlockWriter:
     def _encode_block(
         self, toks: Array, kv: Array, scores: Array | None, kv_start: int, keys: list[bytes],
         index: int, model: ModelSpec, root: Root, namespace: str,
-    ) -> NewBlock:  # fmt: skip
+    ) -> tuple[NewBlock, DeferredSummaries | None]:  # fmt: skip
         b, c = self._config.block_tokens, self._config.chunk_tokens
         start = index * b
         local = start - kv_start  # where the block starts in `kv` and `scores`
@@ -200,13 +235,14 @@ class BlockWriter:
             keys[index], parent, model.fingerprint, ns, index, toks[start : start + b].copy(),
             c, 0, perm, block_scores, sum(len(x) for x in chunks), time.time(), namespace,
         )  # fmt: skip
-        return meta, chunks
+        return (meta, chunks), None
 
     def _encode_layered(
         self, toks: Array, block_kv: Array, block_scores: Array | None, keys: list[bytes], index: int,
         model: ModelSpec, root: Root, namespace: str,
-    ) -> NewBlock:  # fmt: skip
-        """A block in the layered layout (kvstore/load/read_layered.py): prompt order, scores kept."""
+    ) -> tuple[NewBlock, DeferredSummaries | None]:  # fmt: skip
+        """A block in the layered layout (kvstore/load/read_layered.py): prompt order, scores kept;
+        with the disk write-behind its summaries are left to a job (kvstore/store/deferred.py)."""
         b, c = self._config.block_tokens, self._config.layer_chunk_tokens
         if model.num_layers * (1 + b // c) > MAX_RECORDS:  # record indices are u16 in chunk keys
             raise InvalidInputError(
@@ -221,5 +257,16 @@ class BlockWriter:
             namespace, LAYERED, model.num_layers,
         )  # fmt: skip  # the chunk size is in the version: in every record's key and identity
         cfg = self._config
-        records = encode_layered(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
-        return replace(meta, nbytes=sum(len(x) for x in records)), records
+        if self.behind is None:  # synchronous stores encode everything now
+            records = encode_layered(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
+            return (replace(meta, nbytes=sum(len(x) for x in records)), records), None
+        part = encode_layer_part(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
+        meta = replace(meta, nbytes=DeferredSummaries.record_bytes(meta, model) + _bytes(part))
+        deferred: list[bytes | None] = [None] * meta.num_layers
+        records = cast("list[bytes]", [*deferred, *part])  # the Nones are filled by the job
+        return (meta, records), DeferredSummaries(meta, block_kv[:, 0], records)
+
+
+def _bytes(records: Sequence[bytes | None]) -> int:
+    """Bytes of the records present (a deferred block's summaries are not, yet)."""
+    return sum(len(x) for x in records if x is not None)

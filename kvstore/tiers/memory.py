@@ -67,7 +67,8 @@ class MemoryTier:
         """The byte budget."""
         return self._capacity
 
-    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | None]) -> None:
+        """Hold a block's records (None: one that comes later through `put_chunk`)."""
         with self._lock:
             self._put_locked([(meta, chunks)])
 
@@ -166,9 +167,9 @@ class MemoryTier:
             self._chunk_count.clear()
             self._used = 0
 
-    def _put_locked(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+    def _put_locked(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | None]]]) -> None:
         """All blocks or none: the room is checked for all of them (replaced blocks freed) first."""
-        size = sum(len(c) for _, chunks in blocks for c in chunks)
+        size = sum(len(c) for _, chunks in blocks for c in chunks if c is not None)
         replaced = {meta.key for meta, _ in blocks}
         held = sum(self._block_bytes_locked(key) for key in replaced)
         if self._used - held + size > self._capacity:
@@ -179,7 +180,8 @@ class MemoryTier:
         for meta, chunks in blocks:
             self._delete_locked(meta.key)
             for index, data in enumerate(chunks):
-                self._insert_locked(meta, index, data)
+                if data is not None:
+                    self._insert_locked(meta, index, data)
             self._metas[meta.key] = meta
 
     def _block_bytes_locked(self, key: bytes) -> int:

@@ -1,0 +1,123 @@
+"""Key summaries of acknowledged blocks, encoded off the Store's thread (issue #40, item 3).
+
+A layered block's 2-bit key summaries were most of a Store's time (float32 conversion,
+quantisation, packing: ~60 % of a 2,048-token SmolLM2 store). A full load never reads them;
+only a query-aware load does, and only after the Store was acknowledged. So with the disk
+write-behind a Store encodes the layer pack (what a full load reads), keeps a copy of the
+block's keys and acknowledges; the summaries are encoded by whoever needs them first:
+
+- the disk's group commit, before it writes the block (kvstore/store/commit.py): the disk
+  and the remote tier only ever get whole blocks;
+- a query-aware load that reaches the block first (kvstore/load/layer_by_layer.py): it
+  encodes them on its own thread instead of waiting for the commit's turn;
+- a Store whose blocks memory cannot hold, before writing them through.
+
+Each block's summaries are encoded once (a lock per block), then put in the memory tier
+where the block's pack already is (the block is pinned until its commit, so neither can be
+evicted meanwhile). Where memory has no room left for them the commit still writes them to
+disk; a query-aware load that comes before that finds the block in no tier and treats it as
+a miss (never wrong KV). The Store's caller may reuse its KV buffer once acknowledged: the
+keys are copied first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore.format.block_meta import BlockMeta
+from kvstore.format.key_summary import encode_summaries, summary_record_bytes
+from kvstore.model import ModelSpec
+from kvstore.values import Array
+
+#: Puts one finished record in the memory tier (StoreIndex.promote); False: no room.
+PutRecord = Callable[[BlockMeta, int, bytes], bool]
+
+
+class DeferredSummaries:
+    """One block's summary records, to be encoded once; see module docstring. Thread-safe.
+
+    Args:
+        meta: the block (layered).
+        keys: the block's keys, (layers, kv_heads, tokens, head_dim): copied here.
+        records: the block's records, its summary slots (0 .. layers-1) holding None until `finish`
+            (typed as what they hold after).
+    """
+
+    def __init__(self, meta: BlockMeta, keys: Array, records: list[bytes]) -> None:
+        self.meta = meta
+        self._keys: Array | None = np.array(keys, copy=True)  # the caller's buffer is theirs again
+        self._records = records
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def record_bytes(meta: BlockMeta, model: ModelSpec) -> int:
+        """Bytes of the summaries `finish` will make for `meta` (its `nbytes` counts them ahead)."""
+        return meta.num_layers * summary_record_bytes(meta.num_tokens, model.num_kv_heads, model.head_dim)
+
+    @property
+    def done(self) -> bool:
+        """Whether the summaries are encoded (and the records filled in)."""
+        return self._keys is None
+
+    def finish(self, put: PutRecord | None = None) -> bool:
+        """Encode the summaries into the records if not done yet; with `put`, also hand each to it
+        (the memory tier). Returns False if `put` refused one (no room)."""
+        with self._lock:
+            if self._keys is None:
+                return True
+            ids = [self.meta.chunk_id(layer) for layer in range(self.meta.num_layers)]
+            summaries = encode_summaries(ids, self._keys)
+            self._records[: len(summaries)] = summaries
+            self._keys = None  # the copy of the keys is not needed any more
+            if put is None:
+                return True
+            return all([put(self.meta, layer, data) for layer, data in enumerate(summaries)])
+
+
+class SummaryJobs:
+    """The blocks whose summaries are not encoded yet, by block key. Thread-safe.
+
+    Args:
+        put: where finished summaries go (the memory tier, through the index).
+    """
+
+    def __init__(self, put: PutRecord) -> None:
+        self._put = put
+        self._jobs: dict[bytes, DeferredSummaries] = {}
+        self._lock = threading.Lock()
+
+    def add(self, job: DeferredSummaries) -> None:
+        """Register a block's job (before the block is listed, so no load can miss it)."""
+        with self._lock:
+            self._jobs[job.meta.key] = job
+
+    def finish(self, key: bytes) -> bool:
+        """Encode block `key`'s summaries now if they are pending (a load needs them); False if
+        memory had no room for them. True at once when nothing is pending for it."""
+        with self._lock:
+            job = self._jobs.get(key)
+        if job is None:
+            return True
+        ok = job.finish(self._put)
+        self.drop(job)
+        return ok
+
+    def finish_job(self, job: DeferredSummaries, to_memory: bool = True) -> bool:
+        """`finish` of a job the caller holds (the commit, or a write-through Store)."""
+        ok = job.finish(self._put if to_memory else None)
+        self.drop(job)
+        return ok
+
+    def drop(self, job: DeferredSummaries) -> None:
+        """Forget a job (finished, or its block abandoned)."""
+        with self._lock:
+            if self._jobs.get(job.meta.key) is job:
+                del self._jobs[job.meta.key]
+
+    def pending(self) -> int:
+        """How many blocks wait for their summaries."""
+        with self._lock:
+            return len(self._jobs)

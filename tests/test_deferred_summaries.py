@@ -8,10 +8,12 @@ encodes them itself, and the disk finally holds byte for byte what a synchronous
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from conftest import make_kv, make_tokens
 
 from kvstore.config import StoreConfig
@@ -30,8 +32,8 @@ def config(data_dir: Path, **kw: object) -> StoreConfig:
     return StoreConfig(data_dir=data_dir, **fields)
 
 
-def blocks_of(store: TieredStore, tokens: Array) -> list[BlockMeta]:
-    match = store.index.match(store._root(MODEL, "default"), tokens, touch=False)
+def blocks_of(store: TieredStore, tokens: Array, model: ModelSpec = MODEL) -> list[BlockMeta]:
+    match = store.index.match(store._root(model, "default"), tokens, touch=False)
     return [node.payload for node in match.nodes]
 
 
@@ -73,19 +75,30 @@ def test_a_query_aware_load_encodes_pending_summaries_itself(tmp_path: Path) -> 
         assert store.durable[0].usage().num_blocks == 0  # and still not on disk
 
 
+@pytest.mark.parametrize(
+    ("dtype", "codec", "pack"),
+    [
+        ("float16", "raw", True),
+        ("bfloat16", "shuffle-zstd", True),
+        ("float32", "raw", False),
+        ("float16", "shuffle-zstd", False),
+    ],
+)
 def test_the_disk_gets_what_a_synchronous_store_writes_whatever_the_caller_did_to_its_buffer(
-    tmp_path: Path,
+    tmp_path: Path, dtype: str, codec: str, pack: bool
 ) -> None:
-    tokens, kv = make_tokens(N, seed=3), make_kv(MODEL, N, seed=3)
-    with TieredStore(config(tmp_path / "sync", sync_stores=True)) as synced:
-        synced.store(tokens, kv, model=MODEL)
-        want = {m.key: (m.nbytes, disk_records(synced, m)) for m in blocks_of(synced, tokens)}
-    with TieredStore(config(tmp_path / "behind", commit_ms=60_000)) as store:
+    model = replace(MODEL, dtype=dtype)
+    tokens, kv = make_tokens(N, seed=3), make_kv(model, N, seed=3)
+    settings: dict[str, object] = {"codec": codec, "layered_pack": pack}
+    with TieredStore(config(tmp_path / "sync", sync_stores=True, **settings)) as synced:
+        synced.store(tokens, kv, model=model)
+        want = {m.key: (m.nbytes, disk_records(synced, m)) for m in blocks_of(synced, tokens, model)}
+    with TieredStore(config(tmp_path / "behind", commit_ms=60_000, **settings)) as store:
         buffer = kv.copy()
-        store.store(tokens, buffer, model=MODEL)
+        store.store(tokens, buffer, model=model)
         buffer[...] = 0  # acknowledged: the caller's buffer is its own again (shm arenas are reused)
         assert store.flush(30)
-        for meta in blocks_of(store, tokens):
+        for meta in blocks_of(store, tokens, model):
             nbytes, records = want[meta.key]
             assert disk_records(store, meta) == records
             assert meta.nbytes == nbytes == sum(len(r) for r in records)

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
 from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
 from kvstore.format.layer_pack import encode_pack, encode_pack_parts, is_pack, parse_table, split_pack
 from kvstore.format.layer_record import (
     LayerGeometry,
+    decode_layer_record,
     is_layer_record,
     layer_record_parts,
     raw_layer_record,
@@ -81,6 +84,30 @@ def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
     if meta.is_packed:
         return [meta.pack_index] if units else []
     return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
+
+
+def keys_of_block(meta: BlockMeta, records: Sequence[bytes], model: ModelSpec) -> Array:
+    """A layered block's keys, (layers, kv_heads, tokens, head_dim) in the model's dtype, taken back
+    from its own layer records (`records` in record-index order, as `encode_layered` makes them; the
+    summary slots are not read). For summaries encoded after the Store (kvstore/store/deferred.py):
+    the records are immutable bytes this process wrote, so nothing of the caller's is kept."""
+    if meta.is_packed:
+        pack = records[meta.pack_index]
+        parts: Sequence[bytes | memoryview] = split_pack(
+            pack, parse_table(pack, meta.chunk_id(meta.pack_index), meta.num_layers)
+        )
+    else:
+        parts = [records[meta.record_index(layer, 0)] for layer in range(meta.num_layers)]
+    shape = (meta.num_layers, model.num_kv_heads, meta.num_tokens, model.head_dim)
+    keys = np.empty(shape, model.np_dtype)
+    for layer, part in enumerate(parts):
+        index = meta.record_index(layer, 0)
+        _, chunks = decode_layer_record(
+            part, meta.chunk_id(index), trusted=True, geometry=layer_geometry(meta, layer, model)
+        )
+        n, _, heads, c, dim = chunks.shape  # chunk-major: (chunks, k/v, heads, chunk tokens, dim)
+        keys[layer].reshape(heads, n, c, dim)[...] = chunks[:, 0].transpose(1, 0, 2, 3)
+    return keys
 
 
 def memory_record(data: bytes, dtype: str, meta: BlockMeta | None = None) -> bytes:

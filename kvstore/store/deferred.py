@@ -17,7 +17,8 @@ where the block's pack already is (the block is pinned until its commit, so neit
 evicted meanwhile). Where memory has no room left for them the commit still writes them to
 disk; a query-aware load that comes before that finds the block in no tier and treats it as
 a miss (never wrong KV). The Store's caller may reuse its KV buffer once acknowledged: the
-keys are copied first.
+keys are taken back from the block's own layer records (immutable bytes this process wrote),
+not from the caller's buffer, which also spares the Store a copy of them.
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import numpy as np
-
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.key_summary import encode_summaries, summary_record_bytes
+from kvstore.format.layered_block import keys_of_block
 from kvstore.model import ModelSpec
-from kvstore.values import Array
 
 #: Puts one finished record in the memory tier (StoreIndex.promote); False: no room.
 PutRecord = Callable[[BlockMeta, int, bytes], bool]
@@ -41,15 +40,16 @@ class DeferredSummaries:
 
     Args:
         meta: the block (layered).
-        keys: the block's keys, (layers, kv_heads, tokens, head_dim): copied here.
         records: the block's records, its summary slots (0 .. layers-1) holding None until `finish`
-            (typed as what they hold after).
+            (typed as what they hold after); the keys are taken back from its layer records.
+        model: the block's model (dtype, kv heads, head dim).
     """
 
-    def __init__(self, meta: BlockMeta, keys: Array, records: list[bytes]) -> None:
+    def __init__(self, meta: BlockMeta, records: list[bytes], model: ModelSpec) -> None:
         self.meta = meta
-        self._keys: Array | None = np.array(keys, copy=True)  # the caller's buffer is theirs again
         self._records = records
+        self._model = model
+        self._done = False
         self._lock = threading.Lock()
 
     @staticmethod
@@ -60,18 +60,18 @@ class DeferredSummaries:
     @property
     def done(self) -> bool:
         """Whether the summaries are encoded (and the records filled in)."""
-        return self._keys is None
+        return self._done
 
     def finish(self, put: PutRecord | None = None) -> bool:
         """Encode the summaries into the records if not done yet; with `put`, also hand each to it
         (the memory tier). Returns False if `put` refused one (no room)."""
         with self._lock:
-            if self._keys is None:
+            if self._done:
                 return True
             ids = [self.meta.chunk_id(layer) for layer in range(self.meta.num_layers)]
-            summaries = encode_summaries(ids, self._keys)
+            summaries = encode_summaries(ids, keys_of_block(self.meta, self._records, self._model))
             self._records[: len(summaries)] = summaries
-            self._keys = None  # the copy of the keys is not needed any more
+            self._done = True
             if put is None:
                 return True
             return all([put(self.meta, layer, data) for layer, data in enumerate(summaries)])

@@ -264,7 +264,7 @@ class BlockWriter:
         meta = replace(meta, nbytes=DeferredSummaries.record_bytes(meta, model) + _bytes(part))
         deferred: list[bytes | None] = [None] * meta.num_layers
         records = cast("list[bytes]", [*deferred, *part])  # the Nones are filled by the job
-        return (meta, records), DeferredSummaries(meta, block_kv[:, 0], records)
+        return (meta, records), DeferredSummaries(meta, records, model)
 
 
 def _bytes(records: Sequence[bytes | None]) -> int:

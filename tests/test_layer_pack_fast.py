@@ -1,6 +1,7 @@
-"""The one-copy raw layer pack (kvstore/format/layer_pack.py `encode_raw_pack`): byte for byte what
-the parts built (`layer_record_parts` joined by `encode_pack_parts`), for every dtype, from KV of
-any strides; and what it is (a read-only view the memory tier keeps uncopied).
+"""The one-copy raw layer pack (kvstore/format/layer_pack.py `encode_raw_pack`) and `encode_layered`:
+byte for byte what the parts built (`layer_record_parts` joined by `encode_pack_parts`, or by
+b"".join for v2 blocks), for every codec, dtype and block kind a store writes, from KV of any
+strides; and what a tier is given of a raw pack (a read-only view the memory tier keeps uncopied).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidInputError
+from kvstore.format.block_meta import LAYERED, BlockMeta, layered_layout_version
 from kvstore.format.chunk import ChunkId
+from kvstore.format.key_summary import encode_summaries
 from kvstore.format.layer_pack import encode_pack_parts, encode_raw_pack, parse_table, split_pack
 from kvstore.format.layer_record import decode_layer_record, layer_record_parts
+from kvstore.format.layered_block import encode_layered
 from kvstore.model import numpy_dtype
 from kvstore.tiers.pinned import host_buffer
 
@@ -30,6 +34,14 @@ def _prefix(dtype: str, blocks: int = 3, layers: int = LAYERS, seed: int = 0) ->
     return rng.standard_normal((layers, 2, HEADS, blocks * B, DIM)).astype(numpy_dtype(dtype))
 
 
+def _meta(chunk_tokens: int, packed: bool, layers: int = LAYERS) -> BlockMeta:
+    return BlockMeta(
+        b"k" * 16, b"p" * 16, b"f" * 16, b"n" * 16, 1, np.arange(B, dtype=np.uint32), chunk_tokens,
+        layered_layout_version(chunk_tokens, packed), np.arange(B, dtype=np.int64), None, 0, 0.0,
+        "default", LAYERED, layers,
+    )  # fmt: skip
+
+
 def _ids(layers: int = LAYERS) -> list[ChunkId]:
     return [replace(PACK_ID, chunk_index=layers + layer) for layer in range(layers)]
 
@@ -39,6 +51,36 @@ def _reference_pack(
 ) -> bytes:
     parts = [layer_record_parts(rid, kv[i], dtype, chunk_tokens, codec) for i, rid in enumerate(ids)]
     return encode_pack_parts(replace(PACK_ID, chunk_index=len(ids)), parts)
+
+
+def _reference_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str) -> list[bytes]:
+    """What `encode_layered` returned before the one-copy pack: the parts, joined."""
+    records = encode_summaries([meta.chunk_id(layer) for layer in range(meta.num_layers)], kv[:, 0])
+    ids = [meta.chunk_id(meta.record_index(layer, 0)) for layer in range(meta.num_layers)]
+    layers = [layer_record_parts(rid, kv[i], dtype, meta.chunk_tokens, codec) for i, rid in enumerate(ids)]
+    if meta.is_packed:
+        return [*records, encode_pack_parts(meta.chunk_id(meta.pack_index), layers)]
+    return [*records, *(b"".join(parts) for parts in layers)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ["raw", "shuffle-zstd"])
+@pytest.mark.parametrize("packed", [True, False], ids=["v3-packed", "v2"])
+@pytest.mark.parametrize("chunk_tokens", [8, B], ids=["4-chunks", "1-chunk"])
+def test_encode_layered_writes_the_bytes_the_parts_did(
+    dtype: str, codec: str, packed: bool, chunk_tokens: int
+) -> None:
+    kv = _prefix(dtype)[:, :, :, B : 2 * B]  # a block of a longer prefix, as kvstore/store/write.py passes
+    assert not kv.flags.c_contiguous
+    meta = _meta(chunk_tokens, packed)
+    got = encode_layered(meta, kv, dtype, codec, 1)
+    want = _reference_layered(meta, kv, dtype, codec)
+    assert [bytes(r) for r in got] == want
+    assert [len(r) for r in got] == [len(r) for r in want]  # what stores count as a block's bytes
+    if packed and codec == "raw":
+        assert isinstance(got[-1], memoryview) and got[-1].readonly
+    else:
+        assert all(isinstance(r, bytes) for r in got)
 
 
 def _strided(dtype: str) -> dict[str, Array]:

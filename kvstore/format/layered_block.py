@@ -22,7 +22,14 @@ from collections.abc import Sequence
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
 from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
-from kvstore.format.layer_pack import encode_pack, encode_pack_parts, is_pack, parse_table, split_pack
+from kvstore.format.layer_pack import (
+    encode_pack,
+    encode_pack_parts,
+    encode_raw_pack,
+    is_pack,
+    parse_table,
+    split_pack,
+)
 from kvstore.format.layer_record import (
     LayerGeometry,
     is_layer_record,
@@ -33,9 +40,12 @@ from kvstore.model import ModelSpec
 from kvstore.values import Array
 
 
-def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
+def encode_layered(
+    meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int
+) -> list[bytes | memoryview]:
     """Every record of a layered block, in record-index order (a packed block's layer records
-    in one pack).
+    in one pack). A raw pack is a read-only memoryview of a buffer of its own (the one copy of the
+    KV, kvstore/format/layer_pack.py `encode_raw_pack`); every other record is bytes.
 
     Args:
         meta: the block's metadata (layered; its `nbytes` is not read).
@@ -43,11 +53,13 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
         dtype: the model's dtype name; codec and zstd_level: as kvstore.format.chunk.encode_chunk.
     """
     records = encode_summaries([meta.chunk_id(layer) for layer in range(meta.num_layers)], kv[:, 0])
+    ids = [meta.chunk_id(meta.record_index(layer, 0)) for layer in range(meta.num_layers)]
+    if meta.is_packed and codec == "raw":
+        return [*records, encode_raw_pack(meta.chunk_id(meta.pack_index), ids, kv, dtype, meta.chunk_tokens)]
     layers = [
-        layer_record_parts(meta.chunk_id(meta.record_index(layer, 0)), kv[layer], dtype, meta.chunk_tokens,
-                           codec, zstd_level)
-        for layer in range(meta.num_layers)
-    ]  # fmt: skip
+        layer_record_parts(rid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level)
+        for layer, rid in enumerate(ids)
+    ]
     if meta.is_packed:  # the parts joined once, into the pack
         return [*records, encode_pack_parts(meta.chunk_id(meta.pack_index), layers)]
     return [*records, *(b"".join(parts) for parts in layers)]
@@ -77,7 +89,7 @@ def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
     return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
 
 
-def memory_record(data: bytes, dtype: str, meta: BlockMeta | None = None) -> bytes:
+def memory_record(data: bytes | memoryview, dtype: str, meta: BlockMeta | None = None) -> bytes | memoryview:
     """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as
     is. A pack needs its block's `meta` (its table is verified against it)."""
     if is_summary(data):

@@ -10,6 +10,7 @@ to evict to make room it asks the index; it never decides.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # kvstore.tiers.remote.link imports redis: only a store with 
     from kvstore.tiers.disk.lmdb import LmdbTier
 
 
-NewBlock = tuple[BlockMeta, list[bytes]]
+NewBlock = tuple[BlockMeta, Sequence[bytes | memoryview]]  # a raw pack is a read-only memoryview
 MAX_RECORDS = 65535  # records per block: chunk indices are u16 in chunk keys (docs/keys.md)
 
 

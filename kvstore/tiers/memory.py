@@ -67,11 +67,11 @@ class MemoryTier:
         """The byte budget."""
         return self._capacity
 
-    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         with self._lock:
             self._put_locked([(meta, chunks)])
 
-    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | memoryview]]]) -> None:
         with self._lock:
             self._put_locked(blocks)
 
@@ -166,7 +166,7 @@ class MemoryTier:
             self._chunk_count.clear()
             self._used = 0
 
-    def _put_locked(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+    def _put_locked(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | memoryview]]]) -> None:
         """All blocks or none: the room is checked for all of them (replaced blocks freed) first."""
         size = sum(len(c) for _, chunks in blocks for c in chunks)
         replaced = {meta.key for meta, _ in blocks}

@@ -36,8 +36,9 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore.errors import ChecksumError
+from kvstore.errors import ChecksumError, InvalidInputError
 from kvstore.format.chunk import ChunkId, GeometryError, verify_header
+from kvstore.format.layer_record import Array, check_layer_kv, header_bytes, write_headers
 
 MAGIC = b"KVSP"
 FORMAT_VERSION = 1
@@ -92,6 +93,63 @@ def encode_pack_parts(pack_id: ChunkId, records: Sequence[Sequence[bytes | memor
     return b"".join(
         (body, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *(p for parts in records for p in parts))
     )
+
+
+def encode_raw_pack(
+    pack_id: ChunkId, record_ids: Sequence[ChunkId], kv: Array, dtype: str, chunk_tokens: int
+) -> memoryview:
+    """The pack of raw layer records of `kv` (layers, 2, kv_heads, tokens, head_dim), layer i under
+    `record_ids[i]`: byte for byte `encode_pack_parts(pack_id, [layer_record_parts(record_ids[i],
+    kv[i], dtype, chunk_tokens), ...])`, as a read-only view of a buffer of its own (what the
+    tiers take: the memory tier keeps a read-only buffer without copying it).
+
+    Why not those parts: a store encodes every block so (5.9 MB each 256 tokens of SmolLM2), and
+    they cost a chunk-major copy per layer, a second one where they are joined, and Python per
+    chunk. Here the chunk-major transpose, written where the bytes end up, is the one copy of the
+    KV (`_copy_chunks`); checksums are of views of that buffer; every layer's header and chunk
+    table are written at once (kvstore/format/layer_record.py `write_headers`).
+
+    Raises:
+        InvalidInputError: as `layer_record_parts`, or not one layer of `kv` per record id.
+    """
+    if kv.ndim != 5 or not 0 < len(record_ids) == kv.shape[0]:
+        raise InvalidInputError(f"pack kv must be (layers, 2, heads, tokens, dim), layers {len(record_ids)}")
+    check_layer_kv(kv[0], chunk_tokens)
+    layers, _, heads, tokens, dim = kv.shape
+    n, head = tokens // chunk_tokens, table_bytes(layers)
+    record = header_bytes(n) + kv.nbytes // layers
+    out = np.empty(head + layers * record, np.uint8)
+    sums = _copy_chunks(out, head + header_bytes(n), record, kv, chunk_tokens)
+    write_headers(out[head:].reshape(layers, record), record_ids, dtype, (heads, chunk_tokens, dim), sums)
+    top = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, pack_id.fingerprint, pack_id.namespace, pack_id.block_key,
+        pack_id.layout_version, pack_id.chunk_index, layers, xxhash.xxh3_64_intdigest(out.data[head:]),
+    )  # fmt: skip
+    body = top + struct.pack(
+        f"<{2 * layers}I", *(x for i in range(layers) for x in (head + i * record, record))
+    )
+    out[:head] = np.frombuffer(body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), np.uint8)
+    out.flags.writeable = False
+    return out.data
+
+
+def _copy_chunks(out: Array, first: int, record: int, kv: Array, chunk_tokens: int) -> Array:
+    """Copy `kv` (layers, 2, heads, tokens, dim) chunk-major into the records in `out` (layer 0's
+    first chunk at `first`, a record each `record` bytes): chunk c of a layer is its (2, heads,
+    chunk_tokens, dim) from token c * chunk_tokens. Returns (layers, chunks) xxh3-64 of the chunks."""
+    layers, _, heads, tokens, dim = kv.shape
+    n, item = tokens // chunk_tokens, kv.dtype.itemsize
+    run = chunk_tokens * dim * item  # one head's K or V in a chunk
+    chunk = 2 * heads * run
+    void = np.dtype((np.void, item))  # any source strides, and no alignment: records start anywhere
+    dst: Array = np.ndarray(
+        (layers, n, 2, heads, chunk_tokens, dim), void, out, first,
+        (record, chunk, heads * run, run, dim * item, item),
+    )  # fmt: skip
+    np.copyto(dst, kv.view(void).reshape(layers, 2, heads, n, chunk_tokens, dim).transpose(0, 3, 1, 2, 4, 5))
+    view, digest = out.data, xxhash.xxh3_64_intdigest
+    starts = (first + np.arange(layers)[:, None] * record + np.arange(n) * chunk).ravel().tolist()
+    return np.array([digest(view[a : a + chunk]) for a in starts], np.uint64).reshape(layers, n)
 
 
 def parse_table(data: bytes | memoryview, expect: ChunkId, num_layers: int) -> PackTable:

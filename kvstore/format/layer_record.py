@@ -142,10 +142,7 @@ def layer_record_parts(
     """
     if codec not in CODEC_IDS:
         raise InvalidInputError(f"codec must be one of {sorted(CODEC_IDS)}, got {codec!r}")
-    if kv.ndim != 4 or kv.shape[0] != 2 or chunk_tokens < 1 or kv.shape[2] % chunk_tokens:
-        raise InvalidInputError(
-            f"layer kv must be (2, heads, tokens, dim), tokens a multiple of {chunk_tokens}; got {kv.shape}"
-        )
+    check_layer_kv(kv, chunk_tokens)
     _, heads, tokens, dim = kv.shape
     n = tokens // chunk_tokens
     # chunk-major: (chunks, 2, heads, chunk_tokens, dim), each chunk contiguous
@@ -167,6 +164,40 @@ def layer_record_parts(
     )  # fmt: skip
     body = head + table.tobytes()
     return [body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), *payloads]
+
+
+def check_layer_kv(kv: Array, chunk_tokens: int) -> None:
+    """Refuse a layer's `kv` other than (2, heads, tokens, dim), tokens a multiple of `chunk_tokens`."""
+    if kv.ndim != 4 or kv.shape[0] != 2 or chunk_tokens < 1 or kv.shape[2] % chunk_tokens:
+        raise InvalidInputError(
+            f"layer kv must be (2, heads, tokens, dim), tokens a multiple of {chunk_tokens}; got {kv.shape}"
+        )
+
+
+def write_headers(
+    rows: Array, record_ids: Sequence[ChunkId], dtype: str, shape: tuple[int, int, int], checksums: Array
+) -> None:
+    """Write the header, chunk table and header checksum of raw records whose chunks `rows` holds already
+    (row i: record `record_ids[i]`, `header_bytes(n)` then n chunks of (2, kv_heads, chunk_tokens,
+    head_dim) in `dtype`; `shape`: (kv_heads, chunk_tokens, head_dim)), `checksums[i, c]` of chunk c.
+
+    What `layer_record_parts` writes, for all records at once: kvstore/format/layer_pack.py
+    `encode_raw_pack` builds a pack in place (one copy of the KV, no Python per chunk).
+    """
+    heads, chunk_tokens, dim = shape
+    records, n = checksums.shape
+    size, chunk = header_bytes(n), (rows.shape[1] - header_bytes(n)) // max(n, 1)
+    fixed, tail = (MAGIC, FORMAT_VERSION, CODEC_IDS["raw"], DTYPE_IDS[dtype]), (heads, dim, chunk_tokens, n)
+    headers = b"".join(
+        _HEADER.pack(*fixed, r.fingerprint, r.namespace, r.block_key, r.layout_version, r.chunk_index, *tail)
+        for r in record_ids
+    )
+    rows[:, : _HEADER.size] = np.frombuffer(headers, np.uint8).reshape(records, _HEADER.size)
+    table = rows[:, _HEADER.size : _HEADER.size + n * _ENTRY.itemsize].view(_ENTRY)  # (records, n)
+    table["offset"], table["length"], table["checksum"] = size + np.arange(n) * chunk, chunk, checksums
+    body = size - _CHECKSUM.size  # a header's checksum is of its header and table
+    sums = [xxhash.xxh3_64_intdigest(row[:body]) for row in rows]
+    rows[:, body:size] = np.array(sums, "<u8").view(np.uint8).reshape(records, _CHECKSUM.size)
 
 
 def parse_header(

@@ -24,7 +24,14 @@ import numpy as np
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
 from kvstore.format.key_summary import SummaryGeometry, encode_summaries, is_summary
-from kvstore.format.layer_pack import encode_pack, encode_pack_parts, is_pack, parse_table, split_pack
+from kvstore.format.layer_pack import (
+    encode_pack,
+    encode_pack_parts,
+    encode_raw_pack,
+    is_pack,
+    parse_table,
+    split_pack,
+)
 from kvstore.format.layer_record import (
     LayerGeometry,
     decode_layer_record,
@@ -36,9 +43,12 @@ from kvstore.model import ModelSpec
 from kvstore.values import Array
 
 
-def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
+def encode_layered(
+    meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int
+) -> list[bytes | memoryview]:
     """Every record of a layered block, in record-index order (a packed block's layer records
-    in one pack).
+    in one pack). A raw pack is a read-only memoryview of a buffer of its own (the one copy of the
+    KV, kvstore/format/layer_pack.py `encode_raw_pack`); every other record is bytes.
 
     Args:
         meta: the block's metadata (layered; its `nbytes` is not read).
@@ -49,14 +59,19 @@ def encode_layered(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_leve
     return [*records, *encode_layer_part(meta, kv, dtype, codec, zstd_level)]
 
 
-def encode_layer_part(meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int) -> list[bytes]:
+def encode_layer_part(
+    meta: BlockMeta, kv: Array, dtype: str, codec: str, zstd_level: int
+) -> list[bytes | memoryview]:
     """The records of a layered block after its summaries (what a full load reads): the pack of a
-    packed block, else one layer record per layer. Arguments as `encode_layered`."""
+    packed block (a raw one a read-only memoryview, made with one copy), else one layer record per
+    layer. Arguments as `encode_layered`."""
+    ids = [meta.chunk_id(meta.record_index(layer, 0)) for layer in range(meta.num_layers)]
+    if meta.is_packed and codec == "raw":
+        return [encode_raw_pack(meta.chunk_id(meta.pack_index), ids, kv, dtype, meta.chunk_tokens)]
     layers = [
-        layer_record_parts(meta.chunk_id(meta.record_index(layer, 0)), kv[layer], dtype, meta.chunk_tokens,
-                           codec, zstd_level)
-        for layer in range(meta.num_layers)
-    ]  # fmt: skip
+        layer_record_parts(rid, kv[layer], dtype, meta.chunk_tokens, codec, zstd_level)
+        for layer, rid in enumerate(ids)
+    ]
     if meta.is_packed:  # the parts joined once, into the pack
         return [encode_pack_parts(meta.chunk_id(meta.pack_index), layers)]
     return [b"".join(parts) for parts in layers]
@@ -86,7 +101,7 @@ def stored_records(meta: BlockMeta, units: Sequence[int]) -> list[int]:
     return [meta.record_index(layer, 0) for layer in range(meta.num_layers)] if units else []
 
 
-def keys_of_block(meta: BlockMeta, records: Sequence[bytes], model: ModelSpec) -> Array:
+def keys_of_block(meta: BlockMeta, records: Sequence[bytes | memoryview], model: ModelSpec) -> Array:
     """A layered block's keys, (layers, kv_heads, tokens, head_dim) in the model's dtype, taken back
     from its own layer records (`records` in record-index order, as `encode_layered` makes them; the
     summary slots are not read). For summaries encoded after the Store (kvstore/store/deferred.py):
@@ -110,7 +125,7 @@ def keys_of_block(meta: BlockMeta, records: Sequence[bytes], model: ModelSpec) -
     return keys
 
 
-def memory_record(data: bytes, dtype: str, meta: BlockMeta | None = None) -> bytes:
+def memory_record(data: bytes | memoryview, dtype: str, meta: BlockMeta | None = None) -> bytes | memoryview:
     """What the memory tier holds of a record: chunks uncompressed (no zstd on reads), summaries as
     is. A pack needs its block's `meta` (its table is verified against it)."""
     if is_summary(data):

@@ -257,7 +257,7 @@ class StoreIndex:
                     self.memory_evictions += self._memory.chunks_held(node.key)
                     self._drop_from_memory_locked(node.payload)
 
-    def put_in_memory(self, meta: BlockMeta, chunks: Sequence[bytes]) -> bool:
+    def put_in_memory(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> bool:
         """Put a whole block in memory, making room first when memory is a cache. False if it
         does not fit (the rest is pinned, or it exceeds the budget)."""
         size = sum(len(c) for c in chunks)
@@ -276,7 +276,7 @@ class StoreIndex:
             return True
 
     def put_pending(
-        self, root: RootId, meta: BlockMeta, records: Sequence[bytes | None], reserve: int = 0
+        self, root: RootId, meta: BlockMeta, records: Sequence[bytes | memoryview | None], reserve: int = 0
     ) -> Pin | None:
         """Put a whole block in memory and list it, pinned until its disk write is done (`settle`):
         neither memory nor disk eviction may take a block memory holds the only copy of. One

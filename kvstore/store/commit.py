@@ -38,7 +38,7 @@ from kvstore.tiers.stack import TierStack
 from radix.tree import Pin
 
 logger = logging.getLogger(__name__)
-Block = tuple[BlockMeta, Sequence[bytes]]
+Block = tuple[BlockMeta, Sequence[bytes | memoryview]]
 _RETRY_S = 0.5  # pause before a failed group commit is tried again
 
 
@@ -46,7 +46,7 @@ class Pending(NamedTuple):
     """A block acknowledged from memory, waiting for the disk."""
 
     meta: BlockMeta
-    records: Sequence[bytes]  # as the disk stores them
+    records: Sequence[bytes | memoryview]  # as the disk stores them (a raw pack: a read-only memoryview)
     pin: Pin  # keeps it listed and in memory until the commit (StoreIndex.put_pending)
     summaries: DeferredSummaries | None = None  # fills `records`' summary slots (deferred.py)
 

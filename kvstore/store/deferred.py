@@ -45,7 +45,7 @@ class DeferredSummaries:
         model: the block's model (dtype, kv heads, head dim).
     """
 
-    def __init__(self, meta: BlockMeta, records: list[bytes], model: ModelSpec) -> None:
+    def __init__(self, meta: BlockMeta, records: list[bytes | memoryview], model: ModelSpec) -> None:
         self.meta = meta
         self._records = records
         self._model = model

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # kvstore.tiers.remote.link imports redis: only a store with 
     from kvstore.tiers.disk.lmdb import LmdbTier
 
 
-NewBlock = tuple[BlockMeta, list[bytes]]
+NewBlock = tuple[BlockMeta, list[bytes | memoryview]]  # a raw pack is a read-only memoryview
 
 
 class Encoded(NamedTuple):
@@ -220,7 +220,7 @@ class BlockWriter:
             )
         perm = importance_order(block_scores, b)
         ns = root[0]  # the namespace digest
-        chunks = []
+        chunks: list[bytes | memoryview] = []
         for chunk_index in range(b // c):
             offsets = perm[chunk_index * c : (chunk_index + 1) * c]
             cid = ChunkId(model.fingerprint, ns, keys[index], 0, chunk_index)
@@ -263,10 +263,10 @@ class BlockWriter:
         part = encode_layer_part(meta, block_kv, model.dtype, cfg.codec, cfg.zstd_level)
         meta = replace(meta, nbytes=DeferredSummaries.record_bytes(meta, model) + _bytes(part))
         deferred: list[bytes | None] = [None] * meta.num_layers
-        records = cast("list[bytes]", [*deferred, *part])  # the Nones are filled by the job
+        records = cast("list[bytes | memoryview]", [*deferred, *part])  # the Nones: filled by the job
         return (meta, records), DeferredSummaries(meta, records, model)
 
 
-def _bytes(records: Sequence[bytes | None]) -> int:
+def _bytes(records: Sequence[bytes | memoryview | None]) -> int:
     """Bytes of the records present (a deferred block's summaries are not, yet)."""
     return sum(len(x) for x in records if x is not None)

@@ -21,14 +21,14 @@ class Tier(Protocol):
 
     name: str
 
-    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         """Store a block's encoded chunks and metadata, all or nothing. Mutates.
 
         Replaces a block of the same key. Raises `TierFullError` when it does not fit.
         """
         ...
 
-    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | memoryview]]]) -> None:
         """Store several blocks, all or nothing, as `put_block` does for one. Mutates.
 
         LMDB writes them in one transaction; memory checks the room for all of them

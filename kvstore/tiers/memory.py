@@ -67,12 +67,12 @@ class MemoryTier:
         """The byte budget."""
         return self._capacity
 
-    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | None]) -> None:
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview | None]) -> None:
         """Hold a block's records (None: one that comes later through `put_chunk`)."""
         with self._lock:
             self._put_locked([(meta, chunks)])
 
-    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | memoryview]]]) -> None:
         with self._lock:
             self._put_locked(blocks)
 
@@ -167,7 +167,7 @@ class MemoryTier:
             self._chunk_count.clear()
             self._used = 0
 
-    def _put_locked(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | None]]]) -> None:
+    def _put_locked(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | memoryview | None]]]) -> None:
         """All blocks or none: the room is checked for all of them (replaced blocks freed) first."""
         size = sum(len(c) for _, chunks in blocks for c in chunks if c is not None)
         replaced = {meta.key for meta, _ in blocks}

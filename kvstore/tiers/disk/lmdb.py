@@ -42,7 +42,7 @@ _MAP_OVERHEAD = 2
 _MAX_READERS = 512
 # Readahead beyond a block's chunk bytes: the page headers of its overflow pages, and B-tree pages.
 _READ_SLACK = 256 << 10
-Block = tuple[BlockMeta, Sequence[bytes]]
+Block = tuple[BlockMeta, Sequence[bytes | memoryview]]
 
 
 class LmdbTier:
@@ -112,7 +112,7 @@ class LmdbTier:
         """Directory of the LMDB environment."""
         return self._path
 
-    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         self.put_blocks([(meta, chunks)])
 
     def put_blocks(self, blocks: Sequence[Block]) -> None:
@@ -141,7 +141,7 @@ class LmdbTier:
                     self._account(-old.nbytes, -1, -old.num_chunks)
                 self._account(sum(len(c) for c in chunks), 1, len(chunks))
 
-    def write_layout(self, old: BlockMeta, new: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def write_layout(self, old: BlockMeta, new: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         """First half of a re-layout: write the new chunks and switch the metadata. Mutates.
 
         One transaction. The old layout's chunks stay until `drop_layout`; a process
@@ -328,7 +328,9 @@ class LmdbTier:
                 "refused (they would go to a file that no longer has a name); restart the store"
             )
 
-    def _put_in_txn(self, txn: lmdb.Transaction, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def _put_in_txn(
+        self, txn: lmdb.Transaction, meta: BlockMeta, chunks: Sequence[bytes | memoryview]
+    ) -> None:
         self._delete_key_in_txn(txn, meta.key)
         for index, data in enumerate(chunks):
             txn.put(chunk_key(meta.key, meta.layout_version, index), data, db=self._chunks_db)

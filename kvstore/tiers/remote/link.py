@@ -68,7 +68,7 @@ class RemoteLink:
             WriteBehind(self._write_now, config.remote_queue_bytes) if config.remote_write_behind else None
         )
 
-    def write(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def write(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         """Send a block that local tiers already hold to the remote tier. Never raises."""
         if self.queue is not None:
             self.queue.submit(meta, chunks)
@@ -105,6 +105,6 @@ class RemoteLink:
             self.queue.close(self._drain_s)
         self.tier.close()
 
-    def _write_now(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def _write_now(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         self.tier.put_block(meta, chunks)
         self._on_written(meta.nbytes)

@@ -96,7 +96,7 @@ class RedisTier:
 
     # -- Tier protocol ------------------------------------------------------------
 
-    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes]) -> None:
+    def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         old = _parse_or_none(self._read_metas([meta.key], raise_errors=True)[0])
         commands: list[tuple[Any, ...]] = []
         if old is not None and old.layout_version != meta.layout_version:
@@ -111,7 +111,7 @@ class RedisTier:
                 meta.key, commands, (meta.nbytes - old.nbytes, 0, meta.num_chunks - old.num_chunks)
             )
 
-    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes]]]) -> None:
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, Sequence[bytes | memoryview]]]) -> None:
         written: list[bytes] = []
         try:
             for meta, chunks in blocks:
@@ -373,7 +373,7 @@ class RedisTier:
         with self._lock:
             self._counts[name] += 1
 
-    def _set(self, key: bytes, value: bytes) -> tuple[Any, ...]:
+    def _set(self, key: bytes, value: bytes | memoryview) -> tuple[Any, ...]:
         return ("SET", key, value) if self._ttl is None else ("SET", key, value, "EX", self._ttl)
 
     @property

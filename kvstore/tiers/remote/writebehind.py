@@ -19,8 +19,8 @@ from typing import NamedTuple
 from kvstore.format.block_meta import BlockMeta
 from kvstore.tiers.behind import BehindQueue
 
-WriteFn = Callable[[BlockMeta, Sequence[bytes]], None]
-_Block = tuple[BlockMeta, Sequence[bytes]]
+WriteFn = Callable[[BlockMeta, Sequence[bytes | memoryview]], None]
+_Block = tuple[BlockMeta, Sequence[bytes | memoryview]]
 
 
 class WriteBehindStats(NamedTuple):
@@ -50,7 +50,7 @@ class WriteBehind:
 
         self._queue = BehindQueue[_Block](write_one, max_bytes, name=name)
 
-    def submit(self, meta: BlockMeta, chunks: Sequence[bytes]) -> bool:
+    def submit(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> bool:
         """Queue a block for the remote tier. Never blocks. False (counted) if it was dropped."""
         return self._queue.submit((meta, chunks), sum(len(c) for c in chunks))
 

@@ -1,9 +1,9 @@
 """Stores through shared memory against a real `kvsieve serve` on loopback.
 
 The client writes a Store's KV into an arena the server made for it; the server
-copies it out once. A client must not be able to name another tenant's arena, nor
-change what was stored by writing the arena afterwards; a stale arena falls back
-to slices.
+encodes it from there (the encoding is the one copy), holding the arena until the
+reply. A client must not be able to name another tenant's arena, nor change what
+was stored by writing the arena afterwards; a stale arena falls back to slices.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A co-located `KVClient` asks the server for an arena (a sealed memfd), maps it,
 and names it in each Load; the server writes the chunks' KV there and sends only
 their slots, so a load costs no copy on either side. A Store goes the other way:
-the client writes the KV into an arena and the server copies it out once.
+the client writes the KV into an arena and the server encodes it from there (its one copy).
 """
 
 from __future__ import annotations

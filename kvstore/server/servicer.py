@@ -156,15 +156,19 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             await check_namespace_bytes(self._store, namespace, self._config.namespace_max_bytes)
             with self._inflight.reserve(nbytes, tenant):  # before the allocation it bounds
                 shape = model.kv_shape(len(tokens) - kv_start)
-                kv = await receive_kv(
+                kv, release = await receive_kv(
                     request_iterator, header, Owner(token, namespace), model, shape,
                     arenas=self.arenas, shm=self._config.shm, idle_s=idle,
                 )  # fmt: skip
-                scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
-                result = await asyncio.to_thread(
-                    self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
-                    kv_start=kv_start,
-                )  # fmt: skip
+                try:  # an arena's view: the Store's encoding is its one copy (store_intake.py)
+                    scores = np.asarray(header.scores, np.float32) if len(header.scores) else None
+                    result = await asyncio.to_thread(
+                        self._store.store, tokens, kv, model=model, namespace=namespace, scores=scores,
+                        kv_start=kv_start,
+                    )  # fmt: skip
+                finally:
+                    del kv
+                    release()
             self._tenants.add(namespace, {"stores": 1, "blocks_written": result.new_blocks,
                                           "bytes_written": result.bytes_written})  # fmt: skip
             return pb.StoreResponse(

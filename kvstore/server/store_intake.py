@@ -9,7 +9,8 @@ no memory.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -56,22 +57,38 @@ async def receive_kv(
     arenas: ArenaCache,
     shm: bool,
     idle_s: float,
-) -> Any:
-    """The Store's KV of `shape`: copied out of the arena the header names (then the stream
-    must end), else received as slices; each wait on the client bounded by `idle_s`."""
+) -> tuple[Any, Callable[[], None]]:
+    """The Store's KV of `shape` and what releases it: a view of the arena the header names (then
+    the stream must end; the arena stays held until the release), else received as slices; each
+    wait on the client bounded by `idle_s`."""
     if not header.arena_id:
-        return await receive_slices(request_iterator, model, shape, header.kv_start, idle_s)
+        kv = await receive_slices(request_iterator, model, shape, header.kv_start, idle_s)
+        return kv, _nothing
     kv = await asyncio.to_thread(kv_from_arena, arenas, shm, header.arena_id, owner, model, shape)
-    refusal = f"Store: no end of stream for {idle_s:g} s (stream_idle_s)"
-    if await within(anext(aiter(request_iterator), None), idle_s, refusal) is not None:
-        raise InvalidInputError("a Store through an arena carries no slices")
-    return kv
+    release = functools.partial(arenas.done, header.arena_id)
+    try:
+        refusal = f"Store: no end of stream for {idle_s:g} s (stream_idle_s)"
+        if await within(anext(aiter(request_iterator), None), idle_s, refusal) is not None:
+            raise InvalidInputError("a Store through an arena carries no slices")
+    except BaseException:
+        del kv
+        release()
+        raise
+    return kv, release
 
 
 def kv_from_arena(
     arenas: ArenaCache, shm: bool, arena_id: str, owner: Owner, model: ModelSpec, shape: tuple[int, ...]
 ) -> Any:
-    """A Store's KV, copied out of the caller's arena before anything reads it."""
+    """A Store's KV: a read-only view of the caller's arena, which stays acquired (busy: neither
+    reused nor released) until the caller calls `arenas.done`.
+
+    Not copied: the Store's one copy is its encoding (the layer pack, or the importance layout's
+    chunks), into buffers of the store's own; every checksum and the deferred key summaries are
+    computed from those, never from the arena. A client that writes its arena during its own Store
+    can only make its own blocks hold other values than it meant, never a record whose checksum
+    does not match its bytes. The arena is sealed against shrinking (no SIGBUS).
+    """
     if not shm:
         raise NotFoundError("shared memory is disabled on this server: send the KV as slices")
     arena = arenas.acquire(arena_id, owner)  # PermissionDeniedError if not the caller's
@@ -83,6 +100,13 @@ def kv_from_arena(
             raise InvalidInputError(
                 f"arena {arena_id!r} holds {len(arena.buf)} B, the KV needs {count * model.itemsize} B"
             )
-        return np.frombuffer(arena.buf, model.np_dtype, count).reshape(shape).copy()
-    finally:
+        view = np.frombuffer(arena.buf, model.np_dtype, count).reshape(shape)
+    except BaseException:
         arenas.done(arena_id)
+        raise
+    view.flags.writeable = False
+    return view
+
+
+def _nothing() -> None:
+    """The release of KV received as slices (the Store's own array)."""

@@ -174,18 +174,19 @@ def encode_summaries(record_ids: Sequence[ChunkId], keys: Array, bits: int = SUM
 
 def _pack_layers(codes: Array, bits: int) -> list[bytes]:
     """`pack_codes` of each row of `codes` (layers, codes per layer): the same bytes. Rows that fill
-    whole bytes are packed together with one shift-or per code of a byte (numpy's `reduce` over
-    a byte's few codes is the slow part of `pack_codes`)."""
+    whole bytes are packed with a few whole-array operations: the `per_byte` codes of an output
+    byte, read as one little-endian integer (code i at bit 8 i), land at bit i * bits when shifted
+    right by i * (8 - bits); every other code of that integer lands at bit 8 or above, or below 0,
+    and the mask drops it (numpy's `reduce` over a byte's few codes, and a shift-or per code in
+    torch, each cost a pass and a temporary per code)."""
     per_byte = 8 // bits if 8 % bits == 0 else 1
     if per_byte == 1 or codes.shape[1] % per_byte:
         return [pack_codes(row, bits) for row in codes]
-    import torch  # here: only encoding loads it (decoding is a thin client's work too)
-
-    parts = torch.from_numpy(codes.reshape(codes.shape[0], -1, per_byte))  # (torch: 3x numpy's speed)
-    packed = parts[:, :, 0].clone()
+    words = np.ascontiguousarray(codes, dtype=np.uint8).view(f"<u{per_byte}")  # (layers, bytes out)
+    packed = words.copy()
     for i in range(1, per_byte):
-        packed |= parts[:, :, i] << (i * bits)
-    return [row.tobytes() for row in packed.numpy()]
+        packed |= words >> (i * (8 - bits))
+    return [row.tobytes() for row in packed.astype(np.uint8)]  # the low byte: the mask
 
 
 def _frame(record_id: ChunkId, low_bit: LowBitKeys, codes: bytes) -> bytes:

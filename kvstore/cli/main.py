@@ -161,10 +161,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     store_config = build_config(
         StoreConfig, args.config, overrides=overrides(args, StoreConfig), section="store"
     )
-    if store_config.layout == "layered":  # its summaries are the sidecar's only torch work
-        from kvstore.format.key_summary import encode_on_one_thread
-
-        encode_on_one_thread()
     asyncio.run(serve_forever(server_config, store_config))
     return 0
 

@@ -146,15 +146,14 @@ def prepare_encoding() -> None:
     import torch  # noqa: F401
 
 
-def encode_on_one_thread() -> None:
-    """Give torch one intra-op thread, for a process whose only torch work is encoding summaries
-    (the sidecar: it runs no model). There encoding runs on the disk writer and on loads' threads
-    beside the RPCs; with torch's default pool each op's threads spin for cores that are busy. A
-    256-token SmolLM2 block's 30 layers on a loaded 2-core machine: 9.6 ms on one thread against
-    54-97 ms with two (quantisation alone 2.9 against 83-100)."""
-    import torch
+def encode_threads(threads: int) -> None:
+    """Set torch's intra-op threads, which encoding summaries uses (process-wide: for a process that
+    runs no model, kvstore/store/deferred.py `encode_on_one_thread`). A 256-token SmolLM2 block's
+    30 layers on a loaded 2-core machine: 9.6 ms on one thread against 54-97 ms with two
+    (quantisation alone 2.9 against 83-100): each op's threads spin for cores that are busy."""
+    import torch  # here: only encoding loads it
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
 
 
 def encode_summaries(record_ids: Sequence[ChunkId], keys: Array, bits: int = SUMMARY_BITS) -> list[bytes]:

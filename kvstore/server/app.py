@@ -30,6 +30,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.listen import bind
 from kvstore.server.metrics import EventsCollector, Metrics
 from kvstore.server.servicer import KVCacheServicer
+from kvstore.store.deferred import encode_on_one_thread
 from kvstore.store.tiered import TieredStore
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
@@ -153,6 +154,8 @@ def _start_metrics(config: ServerConfig, metrics: Metrics) -> tuple[Any, str | N
 async def serve_forever(config: ServerConfig, store_config: StoreConfig) -> None:
     """Run until SIGTERM or SIGINT, then drain and close."""
     keep_large_buffers()
+    if store_config.layout == "layered":  # its summaries are the sidecar's only torch work
+        encode_on_one_thread()
     running = await start(config, store_config)
     print(
         f"kvsieve serving on {running.address} (data: {store_config.data_dir or 'memory only'})",

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 
 from kvstore.format.block_meta import BlockMeta
-from kvstore.format.key_summary import encode_summaries, summary_record_bytes
+from kvstore.format.key_summary import encode_summaries, encode_threads, summary_record_bytes
 from kvstore.format.layered_block import keys_of_block
 from kvstore.model import ModelSpec
 
@@ -128,3 +128,10 @@ class SummaryJobs:
         """How many blocks wait for their summaries."""
         with self._lock:
             return len(self._jobs)
+
+
+def encode_on_one_thread() -> None:
+    """For a process whose only torch work is encoding summaries (the sidecar: it runs no model):
+    encoding runs on the disk writer and on loads' threads beside the RPCs, and torch's default
+    pool spins for cores that are busy; see `kvstore.format.key_summary.encode_threads`."""
+    encode_threads(1)

@@ -121,3 +121,23 @@ def test_blocks_memory_cannot_hold_are_written_through_whole(tmp_path: Path) -> 
             assert decode_summary(records[0], meta.chunk_id(0)).record_id == meta.chunk_id(0)
         covered, _, loaded = store.load_arrays(tokens, model=MODEL)
         assert covered == N and loaded.tobytes() == kv.tobytes()
+
+
+def test_a_compressed_store_in_a_full_memory_is_acknowledged_from_memory(tmp_path: Path) -> None:
+    """Memory holds raw records (a zstd block is bigger there than on disk) and room for the
+    summaries to come: eviction of committed blocks makes room for both."""
+    kv_bytes = MODEL.kv_shape(N)
+    block_raw = int(np.prod(kv_bytes)) * 2 // 4 + 8192  # one block's KV and its records' headers
+    cfg = config(tmp_path / "d", codec="shuffle-zstd", commit_ms=60_000, memory_bytes=6 * block_raw)
+    with TieredStore(cfg) as store:
+        for seed in range(10, 14):  # memory fills with committed, evictable blocks
+            store.store(make_tokens(N, seed=seed), make_kv(MODEL, N, seed=seed), model=MODEL)
+            assert store.flush(30)
+        tokens, kv = make_tokens(N, seed=20), make_kv(MODEL, N, seed=20)
+        store.store(tokens, kv, model=MODEL)
+        assert store.writer.summaries.pending() == 4  # acknowledged from memory, not written through
+        assert not any(store.durable[0].contains(m.key) for m in blocks_of(store, tokens))
+        with store.open_layers(tokens, model=MODEL) as load:
+            load.key_summary(0)
+        covered, _, loaded = store.load_arrays(tokens, model=MODEL)
+        assert covered == N and loaded.tobytes() == kv.tobytes()

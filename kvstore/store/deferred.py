@@ -47,6 +47,8 @@ class DeferredSummaries:
 
     def __init__(self, meta: BlockMeta, records: list[bytes | memoryview], model: ModelSpec) -> None:
         self.meta = meta
+        #: Bytes of the summaries `finish` makes (memory makes room for them with the block).
+        self.nbytes = self.record_bytes(meta, model)
         self._records = records
         self._model = model
         self._done = False

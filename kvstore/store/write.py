@@ -148,7 +148,7 @@ class BlockWriter:
         ):
             if job is not None:  # before the block is listed: a load that finds it finds its job
                 self.summaries.add(job)
-            pin = self._index.put_pending(root, meta, held, reserve=meta.nbytes - _bytes(held))
+            pin = self._index.put_pending(root, meta, held, reserve=0 if job is None else job.nbytes)
             if pin is None:
                 if job is not None:
                     self.summaries.drop(job)

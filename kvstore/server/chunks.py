@@ -128,13 +128,20 @@ async def receive_slices(
     A client that sends nothing for `idle_s` seconds loses the stream (LimitExceededError), so a
     stalled Store cannot keep its reservation of in-flight bytes.
     """
-    kv = np.empty(shape, model.np_dtype)
+    kv = np.empty(shape, model.np_dtype)  # untouched (no page is faulted) if one slice is all
     filled = 0
     refusal = f"Store: no slice for {idle_s:g} s (stream_idle_s); nothing was stored"
     while (message := await within(anext(requests, None), idle_s, refusal)) is not None:
         if message.WhichOneof("part") != "slice":
             raise InvalidInputError("after the header, a Store stream carries only slices")
-        filled = place_slice(kv, message.slice, filled, kv_start, model)
+        part = message.slice
+        if filled == 0 and part.start_token == kv_start and part.num_tokens == shape[3]:
+            # The whole KV in one slice (a client's slices are as large as a message may be): a
+            # read-only view of the message's bytes, not a copy of them; the Store encodes it.
+            kv = kv_from_bytes(part.data, model, part.num_tokens, "slice.data")
+            filled = part.num_tokens
+            continue
+        filled = place_slice(kv, part, filled, kv_start, model)
     if filled != kv.shape[3]:
         raise InvalidInputError(f"slices cover {filled} of {kv.shape[3]} tokens; nothing was stored")
     return kv

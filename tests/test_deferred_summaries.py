@@ -8,6 +8,7 @@ encodes them itself, and the disk finally holds byte for byte what a synchronous
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,28 @@ def test_a_compressed_store_in_a_full_memory_is_acknowledged_from_memory(tmp_pat
             load.key_summary(0)
         covered, _, loaded = store.load_arrays(tokens, model=MODEL)
         assert covered == N and loaded.tobytes() == kv.tobytes()
+
+
+def test_loads_racing_the_commit_all_get_the_summaries_of_a_synchronous_store(tmp_path: Path) -> None:
+    """Query-aware loads on several threads reach blocks while the group commit encodes them: each
+    block's summaries are encoded once and every load sees the same keys as a synchronous store."""
+    prompts = [(make_tokens(N, seed=30 + i), make_kv(MODEL, N, seed=30 + i)) for i in range(6)]
+    with TieredStore(config(tmp_path / "sync", sync_stores=True)) as synced:
+        expected = []
+        for tokens, kv in prompts:
+            synced.store(tokens, kv, model=MODEL)
+            with synced.open_layers(tokens, model=MODEL) as load:
+                expected.append([load.key_summary(layer).tobytes() for layer in range(MODEL.num_layers)])
+    with TieredStore(config(tmp_path / "behind", commit_ms=1)) as store:
+        for tokens, kv in prompts:
+            store.store(tokens, kv, model=MODEL)
+
+        def read(i: int) -> list[bytes]:
+            with store.open_layers(prompts[i][0], model=MODEL) as load:
+                return [load.key_summary(layer).tobytes() for layer in range(MODEL.num_layers)]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(read, [i % len(prompts) for i in range(4 * len(prompts))]))
+        assert store.flush(30) and store.writer.summaries.pending() == 0
+        for i, keys in enumerate(got):
+            assert keys == expected[i % len(prompts)]

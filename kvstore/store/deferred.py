@@ -3,8 +3,8 @@
 A layered block's 2-bit key summaries were most of a Store's time (float32 conversion,
 quantisation, packing: ~60 % of a 2,048-token SmolLM2 store). A full load never reads them;
 only a query-aware load does, and only after the Store was acknowledged. So with the disk
-write-behind a Store encodes the layer pack (what a full load reads), keeps a copy of the
-block's keys and acknowledges; the summaries are encoded by whoever needs them first:
+write-behind a Store encodes the layer pack (what a full load reads) and is acknowledged;
+the summaries are encoded by whoever needs them first:
 
 - the disk's group commit, before it writes the block (kvstore/store/commit.py): the disk
   and the remote tier only ever get whole blocks;

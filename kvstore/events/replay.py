@@ -24,11 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.events import wire
 from kvstore.events.config import EventsConfig
 from kvstore.events.history import History
+
+if TYPE_CHECKING:  # msgspec, the `events` extra: kvstore (and `kvsieve serve`) run without it
+    pass
 
 log = logging.getLogger(__name__)
 #: Clients remembered for their per-client bound; past it, those with a full allowance go.
@@ -58,6 +60,9 @@ class ReplayServer:
     ) -> None:  # fmt: skip
         import zmq
 
+        from kvstore.events import wire  # here: only a publisher with a replay socket needs it
+
+        self._wire = wire
         self._socket, self._config, self._topic, self._history = socket, config, topic, history
         self._clock, self._again = clock, zmq.Again
         self._nonblocking = zmq.NOBLOCK
@@ -86,7 +91,7 @@ class ReplayServer:
         try:
             if len(frames) != 3:
                 raise ValueError(f"a replay request is [identity, b'', seq], got {len(frames)} frames")
-            start = wire.decode_seq(frames[2])
+            start = self._wire.decode_seq(frames[2])
         except ValueError as exc:
             log.warning("kv-events: bad replay request: %s", exc)
             return self._end(client)
@@ -98,7 +103,7 @@ class ReplayServer:
             return self._end(client)
         send = self._socket.send_multipart
         for seq, payload in batches:
-            send((client, b"", self._topic, wire.encode_seq(seq), payload))
+            send((client, b"", self._topic, self._wire.encode_seq(seq), payload))
         self._end(client)
 
     def _admit(self, client: bytes, now: float) -> bool:
@@ -127,7 +132,7 @@ class ReplayServer:
             del clients[client]
 
     def _end(self, client: bytes) -> None:
-        self._socket.send_multipart((client, b"", b"", wire.END_SEQ, b""))
+        self._socket.send_multipart((client, b"", b"", self._wire.END_SEQ, b""))
 
 
 def _burst_of(rate: float) -> float:

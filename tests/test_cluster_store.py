@@ -177,6 +177,9 @@ def test_hung_redis_under_load_serves_locally_and_the_breaker_cycles(tmp_path: P
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         _wait_for(lambda: store.stats().get("remote.breaker_closes") >= 1)
+        # Writes reach Redis again: behind the disk's group commit and the remote queue, so a
+        # moment after the breaker closed (it may have closed on a read's probe).
+        _wait_for(lambda: store.stats().get("remote.writes") >= 1)
         stop.set()
         for t in threads:
             t.join(60)

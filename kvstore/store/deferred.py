@@ -59,11 +59,6 @@ class DeferredSummaries:
         """Bytes of the summaries `finish` will make for `meta` (its `nbytes` counts them ahead)."""
         return meta.num_layers * summary_record_bytes(meta.num_tokens, model.num_kv_heads, model.head_dim)
 
-    @property
-    def done(self) -> bool:
-        """Whether the summaries are encoded (and the records filled in)."""
-        return self._done
-
     def finish(self, put: PutRecord | None = None) -> bool:
         """Encode the summaries into the records if not done yet; with `put`, also hand each to it
         (the memory tier). Returns False if `put` refused one (no room)."""
@@ -101,11 +96,7 @@ class SummaryJobs:
         memory had no room for them. True at once when nothing is pending for it."""
         with self._lock:
             job = self._jobs.get(key)
-        if job is None:
-            return True
-        ok = job.finish(self._put)
-        self.drop(job)
-        return ok
+        return True if job is None else self.finish_job(job)
 
     def finish_job(self, job: DeferredSummaries, to_memory: bool = True) -> bool:
         """`finish` of a job the caller holds (the commit, or a write-through Store)."""

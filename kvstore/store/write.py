@@ -116,7 +116,11 @@ class BlockWriter:
                 if job is not None:
                     self.summaries.finish_job(job, to_memory=False)
             blocks = blocks[done:]
-            in_memory = [self._memory_block(block, model) for block in blocks]
+            # the summaries just encoded, in the memory records (the rest are made already)
+            in_memory = [
+                (meta, [new if held is None else held for new, held in zip(records, memory, strict=True)])
+                for (meta, records), (_, memory) in zip(blocks, in_memory[done:], strict=True)
+            ]
             if not self.behind.flush(self._config.backlog_wait_s):
                 raise LimitExceededError(
                     f"{len(blocks)} blocks fit neither memory nor the disk write-behind backlog, "

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import make_kv, make_tokens
+from hostile import wait_until
 
 from kvstore.config import StoreConfig
 from kvstore.format.block_meta import BlockMeta
@@ -167,3 +168,35 @@ def test_loads_racing_the_commit_all_get_the_summaries_of_a_synchronous_store(tm
         assert store.flush(30) and store.writer.summaries.pending() == 0
         for i, keys in enumerate(got):
             assert keys == expected[i % len(prompts)]
+
+
+def test_blocks_stored_while_a_commit_is_written_are_encoded_beside_it(tmp_path: Path) -> None:
+    """The disk writer's pipeline: while a group commit is in its LMDB transaction (stalled here on
+    the tier's own write lock), the blocks stored meanwhile get their summaries on the encoder
+    thread; the commit after it finds them done, and the disk holds what a synchronous Store
+    writes. Without the encoder they would wait for their own commit."""
+    prompts = [(make_tokens(N, seed=40 + i), make_kv(MODEL, N, seed=40 + i)) for i in range(2)]
+    with TieredStore(config(tmp_path / "sync", sync_stores=True)) as synced:
+        for tokens, kv in prompts:
+            synced.store(tokens, kv, model=MODEL)
+        want = {m.key: disk_records(synced, m) for tokens, _ in prompts for m in blocks_of(synced, tokens)}
+    with TieredStore(config(tmp_path / "behind", commit_blocks=4, commit_ms=60_000)) as store:
+        disk = store.durable[0]
+        with disk._write_lock:  # type: ignore[attr-defined]  # the first commit waits in put_blocks
+            store.store(*prompts[0], model=MODEL)  # 4 blocks: a full batch, committed at once
+            assert wait_until(lambda: store.writer.summaries.pending() == 0)  # by the commit itself
+            store.store(*prompts[1], model=MODEL)
+            assert wait_until(lambda: store.writer.summaries.pending() == 0)  # by the encoder
+            assert disk.usage().num_blocks == 0 and store.stats().get("disk_backlog_blocks") == 8
+        assert store.flush(30)
+        for tokens, _ in prompts:
+            for meta in blocks_of(store, tokens):
+                assert disk_records(store, meta) == want[meta.key]
+
+
+def test_no_summary_is_encoded_ahead_while_no_commit_is_under_way(tmp_path: Path) -> None:
+    with TieredStore(config(tmp_path / "d", commit_blocks=64, commit_ms=60_000)) as store:
+        for seed in (50, 51):
+            store.store(make_tokens(N, seed=seed), make_kv(MODEL, N, seed=seed), model=MODEL)
+        assert not wait_until(lambda: store.writer.summaries.pending() < 8, timeout_s=0.5)
+        assert store.flush(30) and store.writer.summaries.pending() == 0

@@ -7,6 +7,7 @@ for as long as a test needs, because the writer waits that long for a group to f
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import make_kv, make_tokens
+from hostile import wait_until
 
 from bench.common.sidecar import Sidecar
 from kvstore.client.kvclient import KVClient
@@ -24,6 +26,7 @@ from kvstore.model import ModelSpec
 from kvstore.offline.fsck import fsck
 from kvstore.rpc.status import status_for
 from kvstore.store.tiered import TieredStore
+from kvstore.tiers.behind import BehindQueue
 
 WIDE = ModelSpec("behind-test", num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB a 32-token block
 N = 128  # tokens a prompt: 4 blocks
@@ -192,3 +195,24 @@ def test_sigterm_commits_the_backlog(tmp_path: Path) -> None:
         server.kill()
     with TieredStore(config(tmp_path / "data")) as store:
         assert all(exact(store, i) for i in range(3))
+
+
+def test_a_batch_takes_at_most_batch_bytes_in_submission_order() -> None:
+    """The disk's group commits are a quarter of the backlog at most, so that Stores can queue
+    the next ones while one is written; a block larger than that goes alone, order is kept."""
+    gate, batches = threading.Event(), []
+
+    def write(items: list[str]) -> None:
+        assert gate.wait(10)
+        batches.append(items)
+
+    queue = BehindQueue(write, 1 << 20, batch_items=64, batch_bytes=100)
+    queue.submit("first", 10)  # taken at once: the worker waits on the gate with it
+    assert wait_until(lambda: not queue.peek(64))
+    for item, size in (("a", 40), ("b", 40), ("c", 40), ("d", 250), ("e", 10)):
+        queue.submit(item, size)
+    assert queue.peek(2) == ["a", "b"]
+    gate.set()
+    assert queue.flush(10)
+    queue.close(None)
+    assert batches == [["first"], ["a", "b"], ["c"], ["d"], ["e"]]

@@ -3,8 +3,11 @@
 A Store in write-behind mode (the default; `StoreConfig.sync_stores` off) puts its blocks
 in memory, lists them pinned (kvstore/index/store_index.py `put_pending`: no eviction may
 take a block memory holds the only copy of) and queues them here. The writer thread
-(kvstore/tiers/behind.py) takes up to `commit_blocks` of them, or what came within
-`commit_ms` of the first, and writes them in one LMDB transaction: one sync for all.
+(kvstore/tiers/behind.py) takes up to `commit_blocks` of them (and at most a quarter of
+`disk_backlog_bytes`, so that Stores queue the next commit while one is written), or what
+came within `commit_ms` of the first, and writes them in one LMDB transaction: one sync for
+all. The layered layout's deferred summaries of the blocks queued behind a commit are
+encoded on a second thread while it is written (kvstore/store/deferred.py `EncodeAhead`).
 Then it unpins them and hands them to the shared remote tier's queue, so the remote
 tier, as before, only ever gets blocks the local disk holds.
 
@@ -31,7 +34,7 @@ from kvstore.errors import LimitExceededError, StoreFullError, TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.store_index import StoreIndex
 from kvstore.stats import Counters
-from kvstore.store.deferred import DeferredSummaries, SummaryJobs
+from kvstore.store.deferred import DeferredSummaries, EncodeAhead, SummaryJobs
 from kvstore.tiers.base import Tier
 from kvstore.tiers.behind import BehindQueue
 from kvstore.tiers.stack import TierStack
@@ -97,8 +100,11 @@ class DiskBehind:
         self._queue = BehindQueue[Pending](
             self._commit, config.disk_backlog_bytes, batch_items=config.commit_blocks,
             batch_s=config.commit_ms / 1e3, retry_s=_RETRY_S, on_failure=self._abandon,
-            name="kvsieve-disk-commit",
+            # A quarter of the backlog a commit: Stores queue the next ones while it is written.
+            batch_bytes=max(1, config.disk_backlog_bytes // 4), name="kvsieve-disk-commit",
         )  # fmt: skip
+        self._ahead = EncodeAhead(jobs, "kvsieve-summaries")  # summaries overlap the commits
+        self._committing = False  # a group commit is under way (read unlocked: a hint)
 
     def fits_budget(self, size: int) -> bool:
         """Whether `size` bytes fit the disk budget at all (a Store that cannot is refused by the
@@ -160,6 +166,8 @@ class DiskBehind:
         """Queue an admitted block for the next group commit."""
         if not self._queue.submit(pending, pending.meta.nbytes, admitted=True):  # closing
             self._abandon([pending])
+        elif pending.summaries is not None and self._committing:  # encoded while that commit runs
+            self._ahead.submit(pending.summaries)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued block is committed (or given up on). True if in time."""
@@ -168,6 +176,7 @@ class DiskBehind:
     def close(self) -> None:
         """Commit everything queued (a failing commit gets one more try). Idempotent."""
         self._queue.close(None)
+        self._ahead.close()
 
     def counters(self) -> dict[str, int]:
         """`disk_backlog_blocks` and `disk_backlog_bytes` (waiting now), `disk_commits`,
@@ -183,7 +192,20 @@ class DiskBehind:
         group that fits the disk budget; each group unpinned once written, so that the next may
         evict it as a synchronous Store would. Raising leaves the batch queued (a group written
         already is written again then: the same bytes). Deferred summaries are encoded first: the
-        disk and the remote tier only ever get whole blocks."""
+        disk and the remote tier only ever get whole blocks. The next commit's blocks are handed
+        to the encoder thread first, to be encoded while this one is written, and so are blocks
+        submitted meanwhile (a block is never encoded ahead while no commit is under way)."""
+        self._committing = True
+        try:
+            for p in self._queue.peek(self._config.commit_blocks):
+                if p.summaries is not None:
+                    self._ahead.submit(p.summaries)
+            self._write_groups(batch)
+        finally:
+            self._committing = False
+
+    def _write_groups(self, batch: list[Pending]) -> None:
+        """`_commit`'s work: summaries, then one transaction per group within the disk budget."""
         for p in batch:
             if p.summaries is not None:
                 self._jobs.finish_job(p.summaries)

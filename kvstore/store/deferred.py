@@ -23,6 +23,8 @@ not from the caller's buffer, which also spares the Store a copy of them.
 
 from __future__ import annotations
 
+import collections
+import logging
 import threading
 from collections.abc import Callable
 
@@ -30,6 +32,8 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.format.key_summary import encode_summaries, encode_threads, summary_record_bytes
 from kvstore.format.layered_block import keys_of_block
 from kvstore.model import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 #: Puts one finished record in the memory tier (StoreIndex.promote); False: no room.
 PutRecord = Callable[[BlockMeta, int, bytes], bool]
@@ -110,6 +114,11 @@ class SummaryJobs:
             if self._jobs.get(job.meta.key) is job:
                 del self._jobs[job.meta.key]
 
+    def is_pending(self, job: DeferredSummaries) -> bool:
+        """Whether `job` is still registered (not finished, not dropped with its block)."""
+        with self._lock:
+            return self._jobs.get(job.meta.key) is job
+
     def finish_all(self) -> None:
         """Encode every pending block's summaries now (benchmarks that time the disk alone)."""
         with self._lock:
@@ -121,6 +130,60 @@ class SummaryJobs:
         """How many blocks wait for their summaries."""
         with self._lock:
             return len(self._jobs)
+
+
+class EncodeAhead:
+    """Encodes the summaries of the next group commit's blocks on a thread of its own, in order,
+    while the commit before it is written (kvstore/store/commit.py hands them over): the LMDB
+    transaction (its writes and sync release the GIL) overlaps the encoding of the blocks after it,
+    where the writer alone did one, then the other. The commit still calls `finish_job` on every
+    block: a block the encoder has not reached yet it encodes itself, one it is encoding it waits
+    for (the job's lock), so the disk and the remote tier still only get whole blocks, in order.
+    A block is never encoded before a commit is under way (a Store's summaries stay behind it).
+    Thread-safe.
+
+    Args:
+        jobs: the store's pending summaries (finished ones go to the memory tier, as the commit's).
+        name: the thread's name.
+    """
+
+    def __init__(self, jobs: SummaryJobs, name: str) -> None:
+        self._jobs = jobs
+        self._queue: collections.deque[DeferredSummaries] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: DeferredSummaries) -> None:
+        """Encode `job` once the jobs before it are done (unless the commit comes first)."""
+        with self._cond:
+            if not self._closed:
+                self._queue.append(job)
+                self._cond.notify()
+
+    def close(self) -> None:
+        """Stop (what is left is the commit's to encode) and wait for the job under way. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+            if not self._jobs.is_pending(job):  # the commit came first, or the block was abandoned
+                continue
+            try:
+                self._jobs.finish_job(job)
+            except Exception:  # the commit encodes it again, and fails the group commit with the reason
+                logger.debug("kvsieve: encoding summaries ahead of the commit failed", exc_info=True)
 
 
 def encode_on_one_thread() -> None:

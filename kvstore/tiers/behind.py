@@ -19,6 +19,7 @@ block's parent is always written in the same batch as the block or before it.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,9 @@ class BehindQueue(Generic[T]):
             an exception fails the batch.
         max_bytes: the bound on the bytes of items submitted (or admitted) and not yet written.
         batch_items: most items in one batch.
+        batch_bytes: most bytes in one batch (an item larger alone); None: no bound. A batch
+            well under `max_bytes` lets submitters add to the queue while it is written. Only
+            `batch_items` items make a batch ready before `batch_s`.
         batch_s: how long the worker waits after a batch's first item for more.
         retry_s: None: a failed batch is counted and gone; else it is tried again after this
             many seconds (once more at close, then counted failed).
@@ -57,7 +61,7 @@ class BehindQueue(Generic[T]):
 
     def __init__(
         self, write: Callable[[list[T]], None], max_bytes: int, *, batch_items: int = 1,
-        batch_s: float = 0.0, retry_s: float | None = None,
+        batch_s: float = 0.0, retry_s: float | None = None, batch_bytes: int | None = None,
         on_failure: Callable[[list[T]], None] = lambda batch: None, name: str = "kvsieve-behind",
     ) -> None:  # fmt: skip
         if max_bytes <= 0 or batch_items < 1 or batch_s < 0:
@@ -70,6 +74,7 @@ class BehindQueue(Generic[T]):
             batch_s,
             retry_s,
         )
+        self._batch_bytes = batch_bytes
         self._items: collections.deque[tuple[T, int, float]] = collections.deque()
         self._bytes = 0  # admitted + queued + in flight
         self._in_flight = 0
@@ -159,6 +164,11 @@ class BehindQueue(Generic[T]):
         self._thread.join(timeout=None if drain_s is None else drain_s + 5.0)
         return self.stats()
 
+    def peek(self, count: int) -> list[T]:
+        """The first `count` items queued and not yet taken into a batch (the next batch's)."""
+        with self._cond:
+            return [item for item, _, _ in itertools.islice(self._items, count)]
+
     @property
     def worker_alive(self) -> bool:
         """Whether the worker thread is running (False after `close`)."""
@@ -198,10 +208,21 @@ class BehindQueue(Generic[T]):
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            take = min(self._batch_items, len(self._items))
-            batch = [self._items.popleft() for _ in range(take)]
+            batch = [self._items.popleft() for _ in range(self._take_count())]
             self._in_flight = len(batch)
             return batch
+
+    def _take_count(self) -> int:
+        """How many queued items the next batch takes: up to `batch_items` and `batch_bytes`."""
+        count = size = 0
+        for _, item_size, _ in self._items:
+            if count == self._batch_items or (
+                count and self._batch_bytes is not None and size + item_size > self._batch_bytes
+            ):
+                break
+            count += 1
+            size += item_size
+        return count
 
     def _pause_locked(self, seconds: float) -> None:
         """Wait `seconds` before a retry (close cuts it short: the last try comes at once)."""

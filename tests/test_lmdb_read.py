@@ -160,9 +160,8 @@ def test_restarted_store_reads_blocks_into_warm_ranges_the_memory_tier_keeps(tmp
 
 
 def test_warm_ranges_come_only_from_segments_made_ahead(tmp_path: Path) -> None:
-    hints = HintThread("test-warm")
+    warm = WarmRanges(4 << 20, segment_bytes=1 << 20)
     try:
-        warm = WarmRanges(4 << 20, hints, segment_bytes=1 << 20)
         warm.MIN_BYTES = 1
         assert warm.take(4096) is None  # nothing made yet: the read goes to fresh memory ...
         deadline = time.monotonic() + 10  # ... and a segment is made ahead meanwhile
@@ -177,16 +176,15 @@ def test_warm_ranges_come_only_from_segments_made_ahead(tmp_path: Path) -> None:
         assert warm.usage().segment_bytes == 4 << 20
         assert warm.take(2 << 20) is None  # larger than a segment: never warm
     finally:
-        hints.close()
+        warm.close()
 
 
 def test_a_read_into_a_warm_range_is_read_only_and_bit_exact(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
     path.write_bytes(data.tobytes())
-    hints = HintThread("test-warm-read")
+    warm = WarmRanges(8 << 20, segment_bytes=4 << 20)
     try:
-        warm = WarmRanges(8 << 20, hints, segment_bytes=4 << 20)
         warm.keep_ahead(4 << 20)
         deadline = time.monotonic() + 10
         while warm.usage().segment_bytes == 0 and time.monotonic() < deadline:
@@ -203,4 +201,4 @@ def test_a_read_into_a_warm_range_is_read_only_and_bit_exact(tmp_path: Path) -> 
         del view, short
         assert warm.usage().used_bytes == 0  # both ranges back once their views are gone
     finally:
-        hints.close()
+        warm.close()

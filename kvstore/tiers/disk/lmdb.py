@@ -82,7 +82,7 @@ class LmdbTier:
         st = os.stat(self.data_file())
         self._file_id = (st.st_dev, st.st_ino)
         self._hints = HintThread(f"kvsieve-readahead-{self._path.name}")
-        warm = WarmRanges(warm_read_bytes, self._hints) if warm_read_bytes > 0 else None
+        warm = WarmRanges(warm_read_bytes) if warm_read_bytes > 0 else None
         self._reader = MapReader(self.data_file(), warm)
 
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
@@ -286,6 +286,8 @@ class LmdbTier:
 
     def close(self) -> None:
         self._hints.close()  # its transactions end before the environment does
+        if self._reader.warm is not None:
+            self._reader.warm.close()
         self._env.close()
         self._reader.close()
 

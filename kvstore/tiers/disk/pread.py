@@ -22,8 +22,10 @@ make fresh pages cheap, but asked for here they stalled loads in compaction (2-5
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -167,30 +169,31 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, 
 
 class WarmRanges:
     """Memory for reads whose pages are already faulted in: an unpinned `HostArena` that
-    segments are added to, made and faulted in on `hints`' thread, whenever less than
+    segments are added to, made and faulted in on a thread of its own, whenever less than
     `ahead_bytes` is left free. A take never grows the arena itself: with no warm range free it
     returns None (the read then goes to fresh memory, as before). Faulting in is CPU work all
     the same (~0.7 ms per MB here): it pays where the thread finds idle time before the loads,
     e.g. after a restart (`kvsieve serve` makes kvstore/server/app.py `SERVE_AHEAD_BYTES` at
-    start). Thread-safe.
+    start); its thread runs at the lowest priority. Thread-safe.
 
     Args:
         capacity_bytes: all segments together at most this many bytes.
-        hints: the thread that makes segments.
         segment_bytes: one segment.
     """
 
     #: Smaller reads go to fresh memory: a range is worth it for a block's values, not a record's.
     MIN_BYTES = 1 << 20
 
-    def __init__(self, capacity_bytes: int, hints: HintThread, segment_bytes: int = 64 << 20) -> None:
+    def __init__(self, capacity_bytes: int, segment_bytes: int = 64 << 20) -> None:
         self.segment_bytes = segment_bytes
         #: Free warm bytes to keep made ahead (one segment until `keep_ahead` is given more).
         self.ahead_bytes = segment_bytes
         self._arena = HostArena(capacity_bytes, pin=False, segment_bytes=segment_bytes)
-        self._hints = hints
+        # A thread of its own: queued behind the read-ahead hints it would delay the next load's.
+        self._hints = HintThread("kvsieve-warm-reads")
         self._lock = threading.Lock()
         self._growing = False
+        self._niced = False
 
     def take(self, nbytes: int) -> np.ndarray[Any, Any] | None:
         """A writable warm range of `nbytes` bytes, or None; makes the next segment ahead."""
@@ -220,9 +223,20 @@ class WarmRanges:
         """The arena's `ArenaUsage`."""
         return self._arena.usage()
 
+    def close(self) -> None:
+        """Stop making segments (the one being made is finished). Idempotent."""
+        self._hints.close()
+
     def _grow(self) -> None:
+        if not self._niced:  # the loads and the engine beside us go first (Linux: per thread)
+            self._niced = True
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            segment = np.empty(self.segment_bytes, np.uint8)
+            # A mapping of its own, not numpy's: numpy asks for huge pages for an array this large,
+            # and in the sidecar faulting those in cost 3x the CPU of 4 KiB pages (compaction).
+            buf = mmap.mmap(-1, self.segment_bytes, flags=mmap.MAP_PRIVATE)
+            segment = np.frombuffer(buf, np.uint8)
             # Written before anyone can take a range of it; ctypes lets go of the GIL meanwhile.
             ctypes.memset(segment.ctypes.data, 0, segment.size)
             self._arena.add_segment(segment)

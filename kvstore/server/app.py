@@ -24,6 +24,7 @@ from kvstore.config import StoreConfig
 from kvstore.events.config import medium_of
 from kvstore.events.publisher import Publisher, open_publisher
 from kvstore.load.buffers import keep_large_buffers
+from kvstore.model import numpy_dtype
 from kvstore.rpc.channel import channel_options
 from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
@@ -163,6 +164,7 @@ async def serve_forever(config: ServerConfig, store_config: StoreConfig) -> None
     # Idle now: fault in memory for the first cold loads' reads (blocks read from disk after a
     # restart land there, and the memory tier keeps them), off their path.
     running.store.warm_reads(SERVE_AHEAD_BYTES)
+    numpy_dtype("bfloat16")  # imports ml_dtypes now rather than in the first bfloat16 load
     print(
         f"kvsieve serving on {running.address} (data: {store_config.data_dir or 'memory only'})",
         flush=True,

@@ -105,3 +105,16 @@ def test_the_memory_tier_keeps_evicted_records_readable_through_the_arena() -> N
         tier.put_block(other, other_chunks)
     assert bytes(got) == chunks[0]  # the load's view still holds the evicted bytes
     assert tier.usage().used_bytes == sum(len(c) for c in other_chunks) * 10
+
+
+def test_take_without_growing_uses_only_segments_already_there_and_added_ones() -> None:
+    arena = HostArena(1 << 18, pin=False, segment_bytes=1 << 16)
+    assert arena.take(4096, grow=False) is None
+    assert arena.add_segment(np.zeros(1 << 17, np.uint8))
+    a = arena.take(1 << 16, grow=False)
+    assert a is not None and a.flags.writeable and arena.usage().used_bytes == 1 << 16
+    a[:] = 7
+    assert not arena.add_segment(np.zeros(1 << 18, np.uint8))  # past the capacity: refused
+    assert arena.usage().segments == 1
+    del a
+    assert arena.usage().used_bytes == 0

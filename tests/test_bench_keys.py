@@ -65,7 +65,7 @@ PUBLISHED = {
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches ttft_kvsieve_warm_s "
     "kvsieve_warm_vs_prefix_cache hit_lookup_s hit_fetch_s hit_copy_s hit_vllm_s warm_fetch_s "
-    "miss_lookup_s miss_save_copy_s miss_vllm_s miss_store_s",
+    "miss_lookup_s miss_save_copy_s miss_vllm_s miss_store_s example_connector_loads_verified",
     "events": "events_lost store_throughput_events_vs_off store_throughput_events_vs_off_disk "
     "store_p50_replay_flood_vs_quiet store_p50_after_replay_flood_vs_quiet replay_flood_refused",
 }

@@ -8,6 +8,7 @@ chunk checksum, and buffers that are not in the map are copied instead.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from conftest import make_kv, make_tokens
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
-from kvstore.tiers.disk.pread import HintThread, MapReader, find_mapping
+from kvstore.tiers.disk.pread import HintThread, MapReader, WarmRanges, find_mapping
 
 # 2 KiB per token: a chunk of 8 tokens is 16 KiB, stored in LMDB overflow pages.
 WIDE = ModelSpec("test-wide", num_layers=4, num_kv_heads=2, head_dim=64)
@@ -132,3 +133,72 @@ def test_prefetch_returns_at_once_and_close_waits_for_its_hints(tmp_path: Path) 
         tier.prefetch([])  # nothing to hint: no error
     assert np.array_equal(loaded, kv)
     assert not any(t.name.startswith("kvsieve-readahead") for t in threading.enumerate())
+
+
+def test_restarted_store_reads_blocks_into_warm_ranges_the_memory_tier_keeps(tmp_path: Path) -> None:
+    # A block's pack here is 64 KiB, below MIN_BYTES: lowered so that every block's read is warm.
+    config, tokens, kv = _config(tmp_path), make_tokens(128), make_kv(WIDE, 128)
+    with TieredStore(config) as store:
+        store.store(tokens, kv, model=WIDE)
+    with TieredStore(config) as store:
+        reader = store.durable[0]._reader  # type: ignore[attr-defined]
+        warm = reader.warm
+        assert warm is not None  # the store gives its disk tier warm memory as large as its memory tier
+        warm.MIN_BYTES = 1
+        store.warm_reads(1 << 20)  # made on the read-ahead thread
+        deadline = time.monotonic() + 10
+        while warm.usage().segment_bytes < 1 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert warm.usage().segment_bytes >= 1 << 20 and warm.usage().used_bytes == 0
+        loaded = _ordered(store.load(tokens, model=WIDE))
+        assert np.array_equal(loaded, kv)
+        # every block's read landed in the arena, and the memory tier holds those very bytes
+        assert warm.usage().used_bytes > 0
+        loaded_again = _ordered(store.load(tokens, model=WIDE))
+        assert store.stats().counters.get("chunk_hits.memory", 0) > 0
+    assert np.array_equal(loaded_again, kv)
+
+
+def test_warm_ranges_come_only_from_segments_made_ahead(tmp_path: Path) -> None:
+    warm = WarmRanges(4 << 20, segment_bytes=1 << 20)
+    try:
+        warm.MIN_BYTES = 1
+        assert warm.take(4096) is None  # nothing made yet: the read goes to fresh memory ...
+        deadline = time.monotonic() + 10  # ... and a segment is made ahead meanwhile
+        while warm.usage().segment_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = warm.take(4096)
+        assert first is not None and first.flags.writeable and not first.any()
+        warm.keep_ahead(8 << 20)  # more than the capacity: segments up to it, no further
+        while warm.usage().segment_bytes < 4 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert warm.usage().segment_bytes == 4 << 20
+        assert warm.take(2 << 20) is None  # larger than a segment: never warm
+    finally:
+        warm.close()
+
+
+def test_a_read_into_a_warm_range_is_read_only_and_bit_exact(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    warm = WarmRanges(8 << 20, segment_bytes=4 << 20)
+    try:
+        warm.keep_ahead(4 << 20)
+        deadline = time.monotonic() + 10
+        while warm.usage().segment_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reader = MapReader(path, warm)
+        try:
+            view = reader._read(2 << 20, 4096)
+            assert view.readonly and bytes(view) == data[4096 : 4096 + (2 << 20)].tobytes()
+            assert warm.usage().used_bytes == 2 << 20
+            short = reader._read(2 << 20, (3 << 20) - 100)  # past the end of the file: fewer bytes
+            assert bytes(short) == data[-100:].tobytes()
+        finally:
+            reader.close()
+        del view, short
+        assert warm.usage().used_bytes == 0  # both ranges back once their views are gone
+    finally:
+        warm.close()

@@ -455,6 +455,21 @@ def test_bench_counts_first_tokens_that_differ_from_recompute() -> None:
         first_token_mismatches(recompute, recompute[:2])
 
 
+def test_bench_zeroes_the_example_connectors_files_in_place(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    from bench.vllm.vllm_bench import zero_safetensors
+
+    layer = tmp_path / "abc" / "model.layers.0.self_attn.attn.safetensors"
+    layer.parent.mkdir()
+    kv = torch.arange(1, 25, dtype=torch.bfloat16).reshape(2, 3, 4)
+    safetensors.torch.save_file({"kv_cache": kv}, layer)
+    (tmp_path / "other.txt").write_text("not a tensor file")
+    assert zero_safetensors(tmp_path) == 1
+    back = safetensors.torch.load_file(layer)["kv_cache"]
+    assert back.dtype == kv.dtype and back.shape == kv.shape and not back.any()
+
+
 def test_bench_breakdown_subtracts_the_parts_on_the_request_path_only() -> None:
     from bench.vllm.vllm_bench import Answer, breakdown
 

@@ -75,7 +75,13 @@ class TieredStore:
         local: list[Tier] = []
         if self.config.lmdb_dir is not None:
             local.append(
-                create_tier("lmdb", path=self.config.lmdb_dir, capacity_bytes=self.config.disk_bytes)
+                create_tier(
+                    "lmdb",
+                    path=self.config.lmdb_dir,
+                    capacity_bytes=self.config.disk_bytes,
+                    # what cold loads read, the memory tier keeps: as much warm memory as it holds
+                    warm_read_bytes=arena_bytes(self.config.memory_bytes) if self.config.memory_bytes else 0,
+                )
             )
         memory = MemoryTier(
             self.config.memory_bytes,
@@ -245,6 +251,14 @@ class TieredStore:
             drifted += _newly_drifted(meta, updated)
         self.counters.add_many({"score_reports": 1, "layout_drifted_blocks": drifted})
         return len(match.nodes)
+
+    def warm_reads(self, ahead_bytes: int) -> None:
+        """Fault in `ahead_bytes` of memory for the local disk tiers' reads now, in the background,
+        and keep that much ready (kvstore/tiers/disk/pread.py `WarmRanges`)."""
+        for tier in self.tiers.durable:
+            warm = getattr(tier, "warm_reads", None)
+            if warm is not None:
+                warm(ahead_bytes)
 
     def stats(self) -> StoreStats:
         self.leases.sweep()

@@ -70,18 +70,39 @@ class HostArena:
         """`data` copied into a range of the arena, as a read-only uint8 array; None if it does not
         fit under `capacity_bytes`. The range is reused once the array and every view of it are gone."""
         src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)
-        size = int(src.size)
+        out = self.take(int(src.size))
+        if out is None:
+            return None
+        out[:] = src.reshape(-1)
+        out.flags.writeable = False
+        return out
+
+    def take(self, nbytes: int, grow: bool = True) -> Array | None:
+        """A writable range of `nbytes` bytes (uint8) for the caller to fill (then to make read-only);
+        None if it does not fit under `capacity_bytes`, or, with `grow` False, in the segments made
+        so far. Reused once the array and every view of it are gone."""
         with self._lock:
             self._return_freed()
-            place = self._take(size)
+            place = self._take(nbytes, grow)
         if place is None:
             return None
         segment, start = place
-        out = self._segments[segment][start : start + size]
-        out[:] = src.reshape(-1)
-        out.flags.writeable = False
-        weakref.finalize(out, self._freed.append, (segment, start, _rounded(size)))
+        out = self._segments[segment][start : start + nbytes]
+        weakref.finalize(out, self._freed.append, (segment, start, _rounded(nbytes)))
         return out
+
+    def add_segment(self, segment: Array) -> bool:
+        """Add `segment` (uint8, made and faulted in by the caller; pin=False only) as free room;
+        False, and nothing added, if it would pass `capacity_bytes`."""
+        if self.pin:
+            raise ValueError("add_segment is for unpinned arenas")
+        with self._lock:
+            if sum(int(s.size) for s in self._segments) + segment.size > self.capacity_bytes:
+                return False
+            self._segments.append(segment)
+            self._owners.append(segment)
+            self._free.append([(0, int(segment.size))])
+            return True
 
     def usage(self) -> ArenaUsage:
         """Bytes in live ranges (freed ranges whose arrays are gone no longer count), segment bytes."""
@@ -97,7 +118,7 @@ class HostArena:
 
     # -- bookkeeping (under the lock) ---------------------------------------------------------
 
-    def _take(self, size: int) -> tuple[int, int] | None:
+    def _take(self, size: int, grow: bool = True) -> tuple[int, int] | None:
         length = _rounded(size)
         for segment, free in enumerate(self._free):
             for i, (start, room) in enumerate(free):
@@ -106,7 +127,7 @@ class HostArena:
                     self._used += length
                     return segment, start
         made = max(self.segment_bytes, length)
-        if sum(int(s.size) for s in self._segments) + made > self.capacity_bytes:
+        if not grow or sum(int(s.size) for s in self._segments) + made > self.capacity_bytes:
             return None
         self._new_segment(made)
         self._free[-1] = [(length, made - length)] if made > length else []

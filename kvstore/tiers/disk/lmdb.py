@@ -32,7 +32,7 @@ from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
 from kvstore.tiers.disk.datafile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 from kvstore.tiers.disk.mapguard import MapGuard
-from kvstore.tiers.disk.pread import HintThread, MapReader
+from kvstore.tiers.disk.pread import HintThread, MapReader, WarmRanges
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
@@ -55,12 +55,16 @@ class LmdbTier:
         path: str | os.PathLike[str],
         capacity_bytes: int | None = None,
         initial_map_bytes: int = _UNBOUNDED_MAP_BYTES,
+        warm_read_bytes: int = 0,
     ) -> None:
         """Open (or create) the environment under `path`.
 
         Args:
             capacity_bytes: byte budget of chunk data; the map is sized from it.
                 None = unbounded: the map starts at `initial_map_bytes` and doubles when full.
+            warm_read_bytes: memory, made and faulted in ahead of need, that reads of a block's
+                values land in (kvstore/tiers/disk/pread.py `WarmRanges`; the memory tier keeps
+                what it promotes there); 0: every read in fresh memory.
         """
         self._path = Path(path)
         self._initial_map = initial_map_bytes
@@ -77,8 +81,9 @@ class LmdbTier:
             raise DamagedStoreError(f"cannot read {self.data_file()}: {exc}", self._path.parent) from exc
         st = os.stat(self.data_file())
         self._file_id = (st.st_dev, st.st_ino)
-        self._reader = MapReader(self.data_file())
         self._hints = HintThread(f"kvsieve-readahead-{self._path.name}")
+        warm = WarmRanges(warm_read_bytes) if warm_read_bytes > 0 else None
+        self._reader = MapReader(self.data_file(), warm)
 
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
         """Check the data file, reserve the lock file, open LMDB; errors become domain errors."""
@@ -169,6 +174,12 @@ class LmdbTier:
                 return False
             txn.put(meta.key, meta.to_bytes(), db=self._blocks_db)
             return True
+
+    def warm_reads(self, ahead_bytes: int) -> None:
+        """Make `ahead_bytes` of warm memory for reads now, in the background, and keep that much
+        free from now on (nothing without `warm_read_bytes`)."""
+        if self._reader.warm is not None:
+            self._reader.warm.keep_ahead(ahead_bytes)
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         """The chunks, read through one cursor: a block's chunk keys sort adjacently, so the
@@ -275,6 +286,8 @@ class LmdbTier:
 
     def close(self) -> None:
         self._hints.close()  # its transactions end before the environment does
+        if self._reader.warm is not None:
+            self._reader.warm.close()
         self._env.close()
         self._reader.close()
 

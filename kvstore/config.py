@@ -67,6 +67,10 @@ class StoreConfig:
             (backlog_wait_s), then is refused (RESOURCE_EXHAUSTED), never dropped silently.
         backlog_wait_s: seconds a Store waits for room under disk_backlog_bytes before it is
             refused; 0 refuses at once.
+        warm_read_ahead_bytes: memory kept faulted in ahead of need, on a low-priority thread,
+            for cold loads' reads from disk to land in (the memory tier keeps what they read, and
+            fresh pages cost more than the read here: docs/performance.md); `kvsieve serve`
+            makes it at start. 0: reads land in fresh memory.
     """
 
     data_dir: Path | None = None
@@ -97,6 +101,7 @@ class StoreConfig:
     commit_ms: float = 5.0
     disk_backlog_bytes: int = 256 << 20
     backlog_wait_s: float = 5.0
+    warm_read_ahead_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:
@@ -120,6 +125,9 @@ class StoreConfig:
             raise InvalidInputError(
                 f"score_half_life_reports must be > 0, got {self.score_half_life_reports}"
             )
+        w = self.warm_read_ahead_bytes
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise InvalidInputError(f"warm_read_ahead_bytes must be an integer >= 0, got {w!r}")
         self._check_layout()
         self._check_write_behind()
         self._check_remote()

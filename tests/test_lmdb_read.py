@@ -7,14 +7,17 @@ chunk checksum, and buffers that are not in the map are copied instead.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import make_kv, make_tokens
 
 from kvstore.config import StoreConfig
+from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.disk.pread import HintThread, MapReader, WarmRanges, find_mapping
@@ -202,3 +205,17 @@ def test_a_read_into_a_warm_range_is_read_only_and_bit_exact(tmp_path: Path) -> 
         assert warm.usage().used_bytes == 0  # both ranges back once their views are gone
     finally:
         warm.close()
+
+
+def test_warm_reads_off_reads_into_fresh_memory_and_bad_values_are_refused(tmp_path: Path) -> None:
+    config = dataclasses.replace(_config(tmp_path), warm_read_ahead_bytes=0)
+    tokens, kv = make_tokens(64), make_kv(WIDE, 64)
+    with TieredStore(config) as store:
+        store.store(tokens, kv, model=WIDE)
+    with TieredStore(config) as store:
+        assert store.durable[0]._reader.warm is None  # type: ignore[attr-defined]
+        store.warm_reads(1 << 20)  # nothing to make: no error either
+        assert np.array_equal(_ordered(store.load(tokens, model=WIDE)), kv)
+    for bad in (-1, 1.5, True, "128"):
+        with pytest.raises(InvalidInputError, match="warm_read_ahead_bytes"):
+            StoreConfig(memory_bytes=1 << 20, warm_read_ahead_bytes=bad)  # type: ignore[arg-type]

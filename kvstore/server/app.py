@@ -34,9 +34,6 @@ from kvstore.server.servicer import KVCacheServicer
 from kvstore.store.deferred import encode_on_one_thread
 from kvstore.store.tiered import TieredStore
 
-#: Memory faulted in at start for cold loads' reads and kept ready: 2.7 loads of a 2,068-token
-#: SmolLM2 prefix (47 MB each), ~90 ms of a core in the background (kvstore/tiers/disk/pread.py).
-SERVE_AHEAD_BYTES = 128 << 20
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 
 
@@ -163,7 +160,10 @@ async def serve_forever(config: ServerConfig, store_config: StoreConfig) -> None
     running = await start(config, store_config)
     # Idle now: fault in memory for the first cold loads' reads (blocks read from disk after a
     # restart land there, and the memory tier keeps them), off their path.
-    running.store.warm_reads(SERVE_AHEAD_BYTES)
+    # The default, 128 MiB, is 2.7 loads of a 2,068-token SmolLM2 prefix (47 MB each), ~90 ms of
+    # a core in the background (kvstore/tiers/disk/pread.py).
+    if store_config.warm_read_ahead_bytes:
+        running.store.warm_reads(store_config.warm_read_ahead_bytes)
     numpy_dtype("bfloat16")  # imports ml_dtypes now rather than in the first bfloat16 load
     print(
         f"kvsieve serving on {running.address} (data: {store_config.data_dir or 'memory only'})",

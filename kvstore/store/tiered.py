@@ -80,7 +80,7 @@ class TieredStore:
                     path=self.config.lmdb_dir,
                     capacity_bytes=self.config.disk_bytes,
                     # what cold loads read, the memory tier keeps: as much warm memory as it holds
-                    warm_read_bytes=arena_bytes(self.config.memory_bytes) if self.config.memory_bytes else 0,
+                    warm_read_bytes=self._warm_read_bytes(),
                 )
             )
         memory = MemoryTier(
@@ -344,6 +344,12 @@ class TieredStore:
         self.close()
 
     # -- internals ----------------------------------------------------------------
+
+    def _warm_read_bytes(self) -> int:
+        """Warm memory the disk tier's reads may use: as much as the memory tier keeps of them."""
+        if not self.config.warm_read_ahead_bytes or not self.config.memory_bytes:
+            return 0
+        return arena_bytes(self.config.memory_bytes)
 
     def _arena(self) -> HostArena | None:
         """The memory tier's arena where `host_arena` asks for one off CUDA (the tier makes its own

@@ -173,7 +173,7 @@ class WarmRanges:
     `ahead_bytes` is left free. A take never grows the arena itself: with no warm range free it
     returns None (the read then goes to fresh memory, as before). Faulting in is CPU work all
     the same (~0.7 ms per MB here): it pays where the thread finds idle time before the loads,
-    e.g. after a restart (`kvsieve serve` makes kvstore/server/app.py `SERVE_AHEAD_BYTES` at
+    e.g. after a restart (`kvsieve serve` makes `StoreConfig.warm_read_ahead_bytes` at
     start); its thread runs at the lowest priority. Thread-safe.
 
     Args:

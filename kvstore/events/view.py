@@ -120,10 +120,10 @@ class TierView:
             if meta.namespace == hashing.DEFAULT_NAMESPACE_DIGEST
             else hashing.extra_keys(meta, len(hashes) - new_from)
         )
-        return wire.BlockStored(
-            block_hashes=hashes[new_from:] if new_from else hashes, parent_block_hash=parent,
-            token_ids=tokens[new_from * r :] if new_from else tokens, block_size=r, lora_id=None,
-            medium=self.medium, lora_name=None, extra_keys=extra,
+        return wire.BlockStored(  # positional (msgspec's keywords cost more): in field order
+            hashes[new_from:] if new_from else hashes, parent,  # block_hashes, parent_block_hash
+            tokens[new_from * r :] if new_from else tokens, r, None,  # token_ids, block_size, lora_id
+            self.medium, None, extra,  # medium, lora_name, extra_keys
         )  # fmt: skip
 
 

@@ -62,3 +62,25 @@ def test_shared_router_blocks_follow_their_holders(seed: int) -> None:
         counts.subtract(hashes)
         assert view.release(meta.key) == [h for h in hashes if counts[h] == 0]
         assert view.release(meta.key) == []
+
+
+def test_router_hashes_are_the_documented_chain() -> None:
+    """h[j] = xxh3_64(tokens of router block j as uint32 little-endian, seed=h[j-1]), seeded by
+    the parent's key (or, at depth 0, by a hash of the namespace and the model); the last is
+    the block's key: the values routers were given before stay the same."""
+    import xxhash
+
+    parent = _meta(ROOT_KEY, 0, np.arange(BLOCK) * 1000)
+    child = _meta(parent.key, 1, np.arange(BLOCK) + 70_000)
+    for meta, seed in (
+        (parent, xxhash.xxh3_64_intdigest(NAMESPACE + FINGERPRINT)),
+        (child, int.from_bytes(parent.key[:8], "big")),
+    ):
+        expected = []
+        for j in range(BLOCK // ROUTER - 1):
+            part = meta.tokens[j * ROUTER : (j + 1) * ROUTER].astype("<u4").tobytes()
+            seed = xxhash.xxh3_64_intdigest(part, seed)
+            expected.append(seed)
+        expected.append(int.from_bytes(meta.key[:8], "big"))
+        assert hashing.router_hashes(meta, ROUTER) == expected
+        assert hashing.router_hashes(meta, BLOCK) == [expected[-1]]  # one router block: the key alone

@@ -34,7 +34,10 @@ from kvstore.values import DEFAULT_NAMESPACE
 # Dynamo reads a cache salt from the first block's extra keys when it carries this prefix (the
 # form Dynamo's frontend passes to vLLM as `cache_salt`, which vLLM then publishes as is).
 SALT_PREFIX = "dynamo-cache-salt:"
-_DEFAULT_NAMESPACE = namespace_digest(DEFAULT_NAMESPACE)
+DEFAULT_NAMESPACE_DIGEST = namespace_digest(DEFAULT_NAMESPACE)
+_U32_LE = np.dtype("<u4")
+_ROOT_HASHES: dict[bytes, int] = {}  # namespace digest + model fingerprint -> root_hash
+_SLICES: dict[tuple[int, int], list[slice]] = {}  # (block bytes, router block bytes) -> ranges
 
 
 def key_hash(key: bytes) -> int:
@@ -44,21 +47,39 @@ def key_hash(key: bytes) -> int:
 
 def router_hashes(meta: BlockMeta, router_tokens: int) -> list[int]:
     """The hashes of the `len(meta.tokens) // router_tokens` router blocks of one stored block."""
-    # kvsieve's tokens are uint32 already (kvstore/keys.py); one copy of 1 KB, then slices of
-    # bytes: the cheapest way found to feed xxh3 from Python (this runs for every stored block)
-    data = np.ascontiguousarray(meta.tokens, dtype="<u4").tobytes()
+    # This runs for every stored block on the publisher's thread, holding the GIL the storing
+    # threads want: kvsieve's tokens are uint32 already (kvstore/keys.py), so one copy of 1 KB,
+    # then slices of bytes, is the cheapest way found to feed xxh3 from Python.
+    tokens = meta.tokens
+    data = (tokens if tokens.dtype == _U32_LE else np.ascontiguousarray(tokens, dtype="<u4")).tobytes()
     step = 4 * router_tokens  # bytes of one router block
-    previous = parent_hash(meta)
-    if previous is None:
-        previous = xxhash.xxh3_64_intdigest(meta.namespace + meta.fingerprint)
+    previous = root_hash(meta.namespace, meta.fingerprint) if meta.depth == 0 else key_hash(meta.parent)
     digest = xxhash.xxh3_64_intdigest
-    hashes: list[int] = []
-    append = hashes.append
-    for start in range(0, len(data) - step, step):  # all but the last, which is named by the key
-        previous = digest(data[start : start + step], previous)
-        append(previous)
-    append(int.from_bytes(meta.key[:8], "big"))
+    # one comprehension over slices made once: the fewest bytecodes per router block
+    hashes = [previous := digest(data[part], previous) for part in _router_slices(len(data), step)]
+    hashes.append(int.from_bytes(meta.key[:8], "big"))
     return hashes
+
+
+def _router_slices(nbytes: int, step: int) -> list[slice]:
+    """The byte ranges of a stored block's router blocks, all but the last (named by the key)."""
+    slices = _SLICES.get((nbytes, step))
+    if slices is None:
+        slices = [slice(start, start + step) for start in range(0, nbytes - step, step)]
+        _SLICES[(nbytes, step)] = slices
+    return slices
+
+
+def root_hash(namespace: bytes, fingerprint: bytes) -> int:
+    """The seed of a prefix's first router block: a hash of its namespace and model (kept: a
+    store holds few of them)."""
+    ident = namespace + fingerprint
+    seed = _ROOT_HASHES.get(ident)
+    if seed is None:
+        if len(_ROOT_HASHES) >= 1024:  # bounded: a store with very many namespaces recomputes
+            _ROOT_HASHES.clear()
+        seed = _ROOT_HASHES[ident] = xxhash.xxh3_64_intdigest(ident)
+    return seed
 
 
 def parent_hash(meta: BlockMeta) -> int | None:
@@ -69,7 +90,7 @@ def parent_hash(meta: BlockMeta) -> int | None:
 def router_salt(namespace_digest_bytes: bytes) -> str | None:
     """The cache salt a router must be given to see a namespace's blocks (None: the default
     namespace, seen without a salt). It is the namespace's digest in hex, never its name."""
-    if namespace_digest_bytes == _DEFAULT_NAMESPACE:
+    if namespace_digest_bytes == DEFAULT_NAMESPACE_DIGEST:
         return None
     return namespace_digest_bytes.hex()
 

@@ -55,11 +55,8 @@ class Inbox:
 
     def take(self, limit: int) -> list[News]:
         """Up to `limit` items, oldest first."""
-        items = self._items
-        taken: list[News] = []
-        while items and len(taken) < limit:
-            taken.append(items.popleft())
-        return taken
+        popleft = self._items.popleft  # only this thread takes: what len() counted is there
+        return [popleft() for _ in range(min(len(self._items), limit))]
 
     def clear(self) -> None:
         """Forget every waiting item (a snapshot replaces them); news dropped from now on

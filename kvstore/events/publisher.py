@@ -31,7 +31,9 @@ sequence number it carries.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +73,7 @@ REPLAY_RCVHWM = 64
 REPLAY_RCVBUF = 1 << 16
 #: News items (one per index change) made into one batch at most.
 MAX_BATCH_ITEMS = 4096
+_NEWS_KIND = operator.itemgetter(0)
 
 
 @dataclass(frozen=True)
@@ -276,8 +279,9 @@ class Publisher:
             return
         if len(inbox):
             events: list[wire.Event] = []
-            for news, payload in inbox.take(MAX_BATCH_ITEMS):
-                events += self._apply[news](payload)
+            # news of one kind in a row (a burst of stores: one item per block) in one call
+            for news, run in itertools.groupby(inbox.take(MAX_BATCH_ITEMS), key=_NEWS_KIND):
+                events += self._apply[news]([item for _, items in run for item in items])
             self._publish(events)
             if events and not self._stopping.is_set():
                 time.sleep(self._linger_s)  # a burst may go on: let its next news gather

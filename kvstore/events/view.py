@@ -26,12 +26,19 @@ MEMORY_MEDIUM = "CPU"
 
 
 class TierView:
-    """The router blocks announced on one tier, with how many announced blocks hold each."""
+    """The router blocks announced on one tier, and which announced blocks hold each.
+
+    Router hashes chain (kvstore/events/hashing.py), so two stored blocks share a router block
+    only if they share every one before it in the block, the first included: the blocks are
+    grouped by their first router hash, and a router block is held while a block of its group
+    has the same hashes up to it. The usual group is one block: announcing it is two dict
+    entries, not one per router block (a count per router hash cost the publisher's thread a
+    16-key dict update per stored block)."""
 
     def __init__(self, medium: str, router_tokens: int, token_lists: dict[bytes, list[int]]) -> None:
         self.medium = medium
         self._router_tokens = router_tokens
-        self._holders: dict[int, int] = {}  # router hash -> blocks holding it
+        self._groups: dict[int, list[bytes]] = {}  # first router hash -> keys of the blocks holding it
         self._hashes: dict[bytes, list[int]] = {}  # block key -> its router hashes
         self._token_lists = token_lists  # shared by the tiers: a block's list is made once a batch
 
@@ -46,30 +53,41 @@ class TierView:
         """Count `meta` (whose router hashes are `hashes`) as a holder of its router blocks; the
         event for those not held before. The ones held before lead (a router block's holders
         hold its parents), so the event starts where they end."""
-        self._hashes[meta.key] = hashes
-        holders = self._holders
-        if hashes[0] not in holders:  # the usual case: nothing shared, one C call
-            holders.update(dict.fromkeys(hashes, 1))
+        key = meta.key
+        if key in self._hashes:
+            return None
+        self._hashes[key] = hashes
+        group = self._groups.get(hashes[0])
+        if group is None:  # the usual case: nothing shared
+            self._groups[hashes[0]] = [key]
             return self._stored(meta, hashes, 0)
-        new_from = len(hashes)
-        for index, h in enumerate(hashes):
-            held = holders.get(h, 0)
-            holders[h] = held + 1
-            if not held and index < new_from:
-                new_from = index
+        new_from = self._shared(hashes, group)
+        group.append(key)
         return None if new_from == len(hashes) else self._stored(meta, hashes, new_from)
 
     def release(self, key: bytes) -> list[int]:
         """Uncount the block `key` as a holder; the router blocks it was the last holder of."""
-        gone = []
-        holders = self._holders
-        for h in self._hashes.pop(key, ()):
-            held = holders.pop(h, 0) - 1
-            if held > 0:
-                holders[h] = held
-            else:
-                gone.append(h)
-        return gone
+        hashes = self._hashes.pop(key, None)
+        if hashes is None:
+            return []
+        group = self._groups[hashes[0]]
+        group.remove(key)
+        if not group:
+            del self._groups[hashes[0]]
+            return list(hashes)
+        return hashes[self._shared(hashes, group) :]
+
+    def _shared(self, hashes: list[int], group: list[bytes]) -> int:
+        """How many of `hashes` lead the hashes of some block of `group` (held by another)."""
+        longest = 0
+        for other in group:
+            common = 0
+            for mine, theirs in zip(hashes, self._hashes[other], strict=False):
+                if mine != theirs:
+                    break
+                common += 1
+            longest = max(longest, common)
+        return longest
 
     def describe(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
         """A stored event for every router block this tier holds, each once, parents first
@@ -89,14 +107,23 @@ class TierView:
 
     def _stored(self, meta: BlockMeta, hashes: list[int], new_from: int) -> wire.BlockStored:
         r = self._router_tokens
-        parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
+        if new_from:
+            parent: int | None = hashes[new_from - 1]
+        else:
+            parent = None if meta.depth == 0 else hashing.key_hash(meta.parent)
         tokens = self._token_lists.get(meta.key)
         if tokens is None:
             tokens = self._token_lists[meta.key] = meta.tokens.tolist()
-        return wire.BlockStored(
-            block_hashes=hashes[new_from:] if new_from else hashes, parent_block_hash=parent,
-            token_ids=tokens[new_from * r :] if new_from else tokens, block_size=r, lora_id=None,
-            medium=self.medium, lora_name=None, extra_keys=hashing.extra_keys(meta, len(hashes) - new_from),
+        # the default namespace (the usual case) has no salt: no call
+        extra = (
+            None
+            if meta.namespace == hashing.DEFAULT_NAMESPACE_DIGEST
+            else hashing.extra_keys(meta, len(hashes) - new_from)
+        )
+        return wire.BlockStored(  # positional (msgspec's keywords cost more): in field order
+            hashes[new_from:] if new_from else hashes, parent,  # block_hashes, parent_block_hash
+            tokens[new_from * r :] if new_from else tokens, r, None,  # token_ids, block_size, lora_id
+            self.medium, None, extra,  # medium, lora_name, extra_keys
         )  # fmt: skip
 
 
@@ -141,15 +168,19 @@ class RouterView:
 
     def listed(self, metas: Iterable[BlockMeta]) -> list[wire.Event]:
         events: list[wire.Event] = []
-        announced, r = self._announced, self._router_tokens
-        for meta in metas:
-            if meta.key in announced:
+        announced, r, durable = self._announced, self._router_tokens, self._durable
+        # memory is announced apart only where it caches another tier (`_memory_counts`)
+        in_memory = self._in_memory if self._medium != MEMORY_MEDIUM else frozenset()
+        router_hashes = hashing.router_hashes
+        for meta in metas:  # per stored block, on the publisher's thread: kept to a few calls
+            key = meta.key
+            if key in announced:
                 continue
-            announced[meta.key] = meta
-            hashes = hashing.router_hashes(meta, r)
-            if (event := self._durable.hold(meta, hashes)) is not None:
+            announced[key] = meta
+            hashes = router_hashes(meta, r)
+            if (event := durable.hold(meta, hashes)) is not None:
                 events.append(event)
-            if self._memory_counts(meta.key) and (event := self._memory.hold(meta, hashes)) is not None:
+            if key in in_memory and (event := self._memory.hold(meta, hashes)) is not None:
                 events.append(event)
         return events
 

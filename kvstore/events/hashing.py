@@ -53,7 +53,9 @@ def router_hashes(meta: BlockMeta, router_tokens: int) -> list[int]:
     tokens = meta.tokens
     data = (tokens if tokens.dtype == _U32_LE else np.ascontiguousarray(tokens, dtype="<u4")).tobytes()
     step = 4 * router_tokens  # bytes of one router block
-    previous = root_hash(meta.namespace, meta.fingerprint) if meta.depth == 0 else key_hash(meta.parent)
+    previous = parent_hash(meta)
+    if previous is None:
+        previous = root_hash(meta.namespace, meta.fingerprint)
     digest = xxhash.xxh3_64_intdigest
     # one comprehension over slices made once: the fewest bytecodes per router block
     hashes = [previous := digest(data[part], previous) for part in _router_slices(len(data), step)]

@@ -107,10 +107,7 @@ class TierView:
 
     def _stored(self, meta: BlockMeta, hashes: list[int], new_from: int) -> wire.BlockStored:
         r = self._router_tokens
-        if new_from:
-            parent: int | None = hashes[new_from - 1]
-        else:
-            parent = None if meta.depth == 0 else hashing.key_hash(meta.parent)
+        parent = hashing.parent_hash(meta) if new_from == 0 else hashes[new_from - 1]
         tokens = self._token_lists.get(meta.key)
         if tokens is None:
             tokens = self._token_lists[meta.key] = meta.tokens.tolist()

@@ -72,12 +72,22 @@ def check_layer(layer: object, num_layers: int) -> int:
     return int(layer)
 
 
-def check_chunks(chunks: Sequence[int], total: int) -> list[int]:
-    """`chunks` sorted, as ints, or InvalidInputError unless distinct integers in [0, total)."""
-    values = list(chunks)
-    for c in values:
+def check_chunks(chunks: Sequence[int] | Array, total: int) -> Array:
+    """`chunks` sorted, as an int64 array, or InvalidInputError unless distinct integers in [0, total)
+    (an integer array is checked in a few vector operations: a layer-by-layer load passes one per
+    layer, thousands of chunks at 16k tokens)."""
+    if isinstance(chunks, np.ndarray) and chunks.dtype.kind in "iu":
+        values = np.sort(chunks.astype(np.int64).reshape(-1))
+        bad = values[(values < 0) | (values >= total)]
+        if len(bad):
+            raise InvalidInputError(f"chunks must be integers in [0, {total}), got {int(bad[0])}")
+        if len(values) > 1 and not np.all(np.diff(values)):
+            raise InvalidInputError(f"chunks must not repeat an index, got {values.tolist()}")
+        return values
+    items = list(chunks)
+    for c in items:
         if isinstance(c, bool) or not isinstance(c, int | np.integer) or not 0 <= c < total:
             raise InvalidInputError(f"chunks must be integers in [0, {total}), got {c!r}")
-    if len(set(values)) != len(values):
-        raise InvalidInputError(f"chunks must not repeat an index, got {sorted(values)}")
-    return sorted(int(c) for c in values)
+    if len(set(items)) != len(items):
+        raise InvalidInputError(f"chunks must not repeat an index, got {sorted(items)}")
+    return np.asarray(sorted(int(c) for c in items), dtype=np.int64)

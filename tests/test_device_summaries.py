@@ -91,7 +91,9 @@ def test_a_pinned_copy_needs_no_staging_and_the_cache_gets_what_was_read() -> No
     assert copier.pool.allocations == 0  # nothing staged
 
     layer = SimpleNamespace(keys=torch.zeros(1, 2, 4, 8), values=torch.zeros(1, 2, 4, 8))  # a cache layer
-    kv = np.random.default_rng(0).standard_normal((2, 2, 4, 8)).astype(np.float16)
+    # chunk-major, as `LocalLayeredLoad.read_chunks` delivers: 2 chunks of 2 tokens, (n, 2, heads, c, dim)
+    kv = np.random.default_rng(0).standard_normal((2, 2, 2, 2, 8)).astype(np.float16)
+    in_order = kv.transpose(1, 2, 0, 3, 4).reshape(2, 2, 4, 8)  # (2, heads, tokens, dim), prompt order
 
     class Part:
         def __init__(self) -> None:
@@ -99,5 +101,5 @@ def test_a_pinned_copy_needs_no_staging_and_the_cache_gets_what_was_read() -> No
 
     part = read_into_cache(layer, lambda out: Part(), kv.shape, kv.dtype)
     assert part.kv is kv
-    np.testing.assert_array_equal(layer.keys[0].numpy(), kv[0].astype(np.float32))
-    np.testing.assert_array_equal(layer.values[0].numpy(), kv[1].astype(np.float32))
+    np.testing.assert_array_equal(layer.keys[0].numpy(), in_order[0].astype(np.float32))
+    np.testing.assert_array_equal(layer.values[0].numpy(), in_order[1].astype(np.float32))

@@ -213,18 +213,22 @@ def copy_into_cache(layer: Any, kv: Array) -> None:
 
 
 def read_into_cache(layer: Any, read: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """On a device: read a layer's chosen chunks (`read(out)`, which fills `out` and returns what it
-    read) straight into a page-locked buffer of the device's shared copier, then copy them from there
-    to cache layer `layer` (no staging copy: the host copies every byte once). Returns what `read`
-    returned. On the CPU: `read` into a new array, then `copy_into_cache`.
+    """Read a layer's chosen chunks chunk-major (`read(out)` fills `out`, shape (chunks, 2, kv_heads,
+    chunk_tokens, head_dim), and returns what it read) and install them in cache layer `layer`.
+    On a device: straight into a page-locked buffer of the device's shared copier, copied from there
+    in one copy on the copy stream and put in the cache's order there (`install_chunks`: the host
+    copies every byte once and reorders none). On the CPU: into a new array, installed in one
+    converting copy per tensor. Returns what `read` returned.
 
     Raises:
         StagingError: no buffer, or the device refused the copy (the caller recomputes).
     """
-    keys, values = layer.keys[0], layer.values[0]
+    keys = layer.keys[0]
     if keys.device.type == "cpu":
         part = read(None)
-        copy_into_cache(layer, part.kv)
+        with warnings.catch_warnings():  # torch warns about read-only arrays; the source is only read
+            warnings.simplefilter("ignore", UserWarning)
+            install_chunks(layer, as_tensor(np.asarray(part.kv)))
         return part
     copier = _shared_copier(keys.device)
     num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -233,15 +237,46 @@ def read_into_cache(layer: Any, read: Any, shape: tuple[int, ...], dtype: Any) -
     try:
         part = read(as_array(host))
         copier.follow_current()
-        stream = torch.cuda.current_stream(keys.device)
-        events = [copier.upload_pinned(host[0], keys), copier.upload_pinned(host[1], values)]
+        event = _install_on(copier, layer, host)
     except BaseException:
         copier.pool.give(buffer)
         raise
-    for event in events:
-        stream.wait_event(event)
-    copier.pool.give(buffer, events[-1])  # one stream: the last copy ends after the first
+    torch.cuda.current_stream(keys.device).wait_event(event)
+    copier.pool.give(buffer, event)
     return part
+
+
+def install_chunks(layer: Any, chunks: torch.Tensor) -> None:
+    """Copy chunk-major KV `chunks` (n, 2, kv_heads, chunk_tokens, head_dim), on the cache's device,
+    into cache layer `layer` (keys and values (1, kv_heads, n * chunk_tokens, head_dim)) in place,
+    in prompt order: one reordering copy per tensor (the mask stays valid)."""
+    keys, values = layer.keys[0], layer.values[0]
+    heads, tokens, dim = keys.shape
+    n = int(chunks.shape[0])
+    per = tokens // max(n, 1)
+    keys.view(heads, n, per, dim).copy_(chunks[:, 0].permute(1, 0, 2, 3))
+    values.view(heads, n, per, dim).copy_(chunks[:, 1].permute(1, 0, 2, 3))
+
+
+def _install_on(copier: DeviceCopier, layer: Any, host: torch.Tensor) -> Any:
+    """Copy page-locked chunk-major `host` to the device and install it in `layer`, both on the copy
+    stream; returns the event that ends them.
+
+    Raises:
+        StagingError: the device refused the copy.
+    """
+    device = layer.keys.device
+    try:
+        with torch.cuda.stream(copier.stream):
+            staged = torch.empty(host.shape, dtype=host.dtype, device=device)
+            staged.copy_(host, non_blocking=True)
+            install_chunks(layer, staged)
+            event = torch.cuda.Event()
+            event.record(copier.stream)
+    except RuntimeError as exc:
+        nbytes = host.numel() * host.element_size()
+        raise StagingError(f"copying {nbytes} bytes to {device} failed: {exc}") from exc
+    return event
 
 
 @functools.cache

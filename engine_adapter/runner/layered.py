@@ -214,14 +214,12 @@ class _LayerFiller:
             self.summaries[layer] = summary
         chosen = choose_by_mass(mass, int(summary.shape[1]), self.chunks, chunk_tokens=chunk)
         wanted, held = [int(c) for c in chosen], self.cache.layers[layer]
-        if isinstance(
-            local := self.load, LocalLayeredLoad
-        ):  # read into page-locked memory, copied from there
-            shape = (2, int(held.keys.shape[1]), len(wanted) * chunk, int(held.keys.shape[-1]))
+        if isinstance(local := self.load, LocalLayeredLoad):  # one gathered read, chunk-major
+            shape = (len(wanted), 2, int(held.keys.shape[1]), chunk, int(held.keys.shape[-1]))
             part = read_into_cache(
-                held, lambda out: local.read_layer(layer, wanted, out=out), shape, local.kv_dtype
+                held, lambda out: local.read_chunks(layer, chosen, out=out), shape, local.kv_dtype
             )
-            check_slice(layer, part, chosen, chunk)
+            check_slice(layer, part, chosen, chunk, chunk_major=True)
         else:
             part = self.load.read_layer(layer, wanted)
             check_slice(layer, part, chosen, chunk)
@@ -231,10 +229,11 @@ class _LayerFiller:
         self.load_s += time.perf_counter() - t0
 
     def _summary(self, layer: int, device: torch.device) -> torch.Tensor:
-        """Layer `layer`'s key summaries on `device`: on a GPU unpacked there from their packed codes
-        (`device_keys`: one small copy), on the CPU decoded by the load (a view, no copy)."""
+        """Layer `layer`'s key summaries on `device`, unpacked there from their packed codes where the
+        load has them (`device_keys`: one small copy to a GPU, a few whole-array ops; the same values
+        as the host's decoding), else decoded by the load."""
         packed = getattr(self.load, "packed_summary", None)
-        if device.type != "cpu" and packed is not None:
+        if packed is not None:
             with contextlib.suppress(ValueError, InvalidInputError):  # unlike blocks: the host decodes
                 return device_keys(packed(layer), device)
         return torch.from_numpy(self.load.key_summary(layer)).to(device)
@@ -255,13 +254,19 @@ def chunk_positions(chosen: Array, chunk_tokens: int) -> Array:
     return (chosen[:, None] * chunk_tokens + np.arange(chunk_tokens)[None, :]).reshape(-1)
 
 
-def check_slice(layer: int, part: LayerSlice, chosen: Array, chunk_tokens: int) -> None:
-    """A load that delivers other tokens than the chosen chunks' must not be used."""
+def check_slice(
+    layer: int, part: LayerSlice, chosen: Array, chunk_tokens: int, chunk_major: bool = False
+) -> None:
+    """A load that delivers other tokens than the chosen chunks' must not be used. `chunk_major`:
+    kv is (chunks, 2, heads, chunk_tokens, dim) (`LocalLayeredLoad.read_chunks`), else (2, heads,
+    tokens, dim)."""
     expected = chunk_positions(chosen, chunk_tokens)
     positions = np.asarray(part.positions)
     if positions.shape != expected.shape or not np.array_equal(positions, expected):
         raise ChecksumError(
             f"layer {layer}: the load delivered other positions than chunks {chosen.tolist()}"
         )
-    if tuple(part.kv.shape[:1] + part.kv.shape[2:3]) != (2, len(expected)):
+    shape = tuple(part.kv.shape)
+    delivered = (shape[0] * shape[3], shape[1]) if chunk_major else (shape[2], shape[0])
+    if delivered != (len(expected), 2):
         raise ChecksumError(f"layer {layer}: the load delivered KV of shape {part.kv.shape}")

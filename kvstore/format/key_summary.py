@@ -41,6 +41,8 @@ SUMMARY_BITS = 2
 # kv heads, head dim, tokens, bits, group tokens, packed codes length
 _HEADER = struct.Struct("<4sH16s16s16sIIHHHBHI")
 _CHECKSUM = struct.Struct("<Q")
+#: Bytes of a record's header: its packed codes start here.
+SUMMARY_HEADER_BYTES = _HEADER.size
 #: Where `finite_keys` puts infinite keys: half fp16's largest value, so the span between the two
 #: (a group's step at 1 bit) is still a finite fp16.
 FINITE_LIMIT = float(np.finfo(np.float16).max) / 2

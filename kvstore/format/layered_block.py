@@ -18,8 +18,10 @@ kind a record is. How a load reads them is kvstore/load/read_layered.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import reencode_raw
@@ -34,6 +36,7 @@ from kvstore.format.layer_pack import (
 )
 from kvstore.format.layer_record import (
     LayerGeometry,
+    LayerHeader,
     decode_layer_record,
     is_layer_record,
     layer_record_parts,
@@ -144,3 +147,10 @@ def raw_pack(meta: BlockMeta, data: bytes | memoryview) -> bytes:
     if all(len(r) == len(p) for r, p in zip(raws, parts, strict=True)):
         return bytes(data)
     return encode_pack(meta.chunk_id(meta.pack_index), raws)
+
+
+def chunks_match(header: LayerHeader, chunks: Sequence[int], stored: Sequence[Any]) -> bool:
+    """Whether each chunk `chunks[i]` of the layer record `header` describes has the stored bytes
+    `stored[i]` (any buffer), by its xxh3-64 in the header's table (a chunk read by offset)."""
+    sums, digest = header.checksums, xxhash.xxh3_64_intdigest
+    return all(digest(data) == sums[c] for c, data in zip(chunks, stored, strict=True))

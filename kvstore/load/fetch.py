@@ -240,9 +240,8 @@ class RecordFetcher:
             ChecksumError: a local pack's table fails its checks (GeometryError: another layer count).
         """
         memory, pack = self.tiers.memory, meta.pack_index
-        held = self._memory_pack(meta)
+        held = self.memory_pack(meta)
         if held is not None:
-            self._index.touch_memory(meta, [pack])
             self._counters.add_many(
                 {f"chunk_hits.{memory.name}": 1, f"bytes_read.{memory.name}": len(held.data)}
             )
@@ -269,15 +268,17 @@ class RecordFetcher:
     def held_pack(self, meta: BlockMeta) -> WholePack | None:
         """The pack memory holds of a packed block, if all its headers were verified together before
         (`keep_pack`), as a `WholePack` of memory's own bytes; else None."""
-        return self._memory_pack(meta) if self.known_pack(meta) is not None else None
+        return self.memory_pack(meta) if self.known_pack(meta) is not None else None
 
-    def _memory_pack(self, meta: BlockMeta) -> WholePack | None:
-        """The pack memory holds of `meta` with its verified table, or None (nothing is counted)."""
+    def memory_pack(self, meta: BlockMeta) -> WholePack | None:
+        """The pack memory holds of `meta` with its verified table, touched as recently used, or None
+        (nothing is counted: a full load counts the pack, a partial one the bytes it copies)."""
         memory = self.tiers.memory
         held = memory.get_chunks(meta, [meta.pack_index])[0]
         table = None if held is None else self._table(memory, meta, held)
         if held is None or table is None:
             return None
+        self._index.touch_memory(meta, [meta.pack_index])
         parts = [held[a:b] for a, b in map(table.span, range(meta.num_layers))]
         return WholePack(held, parts, table.offsets, memory.name, True)
 

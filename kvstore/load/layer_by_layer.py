@@ -1,48 +1,55 @@
 """The embedded store's `LayeredLoad`: a cached prefix read layer by layer (query-aware loads).
 
 `open_layered` takes the leading run of matched blocks stored in the layered layout
-(kvstore/load/read_layered.py) and pins them until the load is closed. `key_summary`
-reads one summary record per block of a layer (fastest tier first; promoted to memory
-when the load closes). `read_layer` reads the chosen chunks of each block's layer
-record: the whole record (promoted) when it wants every chunk, else the record's header
-(verified and kept for the load's lifetime) and the chunks' byte ranges (not promoted),
-in one read while the records are uncompressed.
+(kvstore/load/read_layered.py) and pins them until the load is closed. `key_summary` and
+`packed_summary` hand out a layer's key summaries over the prefix (kvstore/load/layer_summaries.py:
+read once per block, stacked per layer where memory holds them). `read_chunks` reads the chosen
+chunks of a layer over the whole prefix as one gathered read (kvstore/load/layer_gather.py): from
+the packs memory holds, or by offset from the disk's data file, all of a layer's reads in one
+parallel submission, into one chunk-major destination. A block that neither can serve (a pack of
+compressed records, the remote tier, layout v2) is read as before: its layer record whole when
+every chunk is wanted (promoted), else the record's header (verified and kept for the load's
+lifetime) and the chunks' byte ranges (not promoted).
 
 A record that fails its checksum makes the store forget its block (as `load` does) and
 raises ChecksumError; one whose header describes other geometry than the block's metadata
 and the model (chunk size, chunk count, layer, dtype, kv heads, head dim) is counted in
 `geometry_mismatches`, its block forgotten the same way, and raises GeometryError (a
 ChecksumError). A remote record that fails is a miss (deleted there), so the block then
-is in no tier: NotFoundError.
+is in no tier: NotFoundError. A chunk read by offset from the data file that fails its checks is
+read again through the tiers before anything is concluded (the place was located at open).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from importance.lowbit import LowBitKeys, dequantize, unpack_codes
 from kvstore.api import LayerSlice
-from kvstore.errors import ChecksumError, InvalidInputError, KVSieveError, NotFoundError
+from kvstore.errors import InvalidInputError
 from kvstore.format.block_meta import BlockMeta
-from kvstore.format.chunk import GeometryError
-from kvstore.format.key_summary import DecodedSummary, PackedSummary, summary_record_bytes, verify_summary
-from kvstore.format.layer_record import decode_layer_record
-from kvstore.format.layered_block import layer_geometry, summary_geometry
+from kvstore.format.key_summary import summary_record_bytes
+from kvstore.format.layer_record import LayerHeader
+from kvstore.format.layered_block import layer_geometry
 from kvstore.load.ahead import LayersAhead
-from kvstore.load.read_layered import (
-    RangedHeader,
-    layered_run,
-    read_chunk_runs,
-    read_header,
-    read_raw_runs,
-    reads_whole,
+from kvstore.load.layer_gather import (
+    LayerRuns,
+    PackPlace,
+    gather_file,
+    gather_memory,
+    locate_places,
+    plan_runs,
+    span_tier,
+    verify_file_reads,
 )
-from kvstore.load.summaries import PackedLayer, join_lowbit, join_packed
+from kvstore.load.layer_ranges import RangedLayerReads
+from kvstore.load.layer_summaries import FinishSummaries, SummaryReader
+from kvstore.load.read_layered import layered_run
+from kvstore.load.summaries import PackedLayer, join_lowbit
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array, check_chunks, check_layer
@@ -52,11 +59,6 @@ from radix.tree import Pin
 if TYPE_CHECKING:
     from kvstore.index.store_index import StoreIndex
     from kvstore.load.fetch import RecordFetcher
-    from kvstore.tiers.base import Tier
-
-
-#: Encodes block `key`'s summaries now if a Store deferred them (no-op otherwise).
-FinishSummaries = Callable[[bytes], object]
 
 
 def open_layered(
@@ -90,7 +92,6 @@ class LocalLayeredLoad:
         finish_summaries: FinishSummaries | None = None,
     ) -> None:  # fmt: skip
         self._fetcher, self._index, self._metas, self._model = fetcher, index, metas, model
-        self._finish_summaries = finish_summaries
         self._counters = counters
         self.chunk_tokens = metas[0].chunk_tokens if metas else default_chunk_tokens
         self.matched_tokens = sum(m.num_tokens for m in metas)
@@ -106,19 +107,17 @@ class LocalLayeredLoad:
         self._summaries: dict[int, Array] = {}
         self._lowbit: dict[int, LowBitKeys] = {}
         self._pinned = pin  # released by `close`
-        self._headers: dict[tuple[int, int], RangedHeader] = {}  # (block, layer): verified
-        # (tier, block key): every layer's summary record, read at once (`_summary_record`)
-        self._summary_records: dict[tuple[str, bytes], list[bytes | None]] = {}
+        self._ranged = RangedLayerReads(fetcher, model, self._lose, self._count_read)
+        self._summary_reader = SummaryReader(
+            fetcher, metas, model, counters, self._lose, index.promote, self._count_read, finish_summaries
+        )
         self._ahead: LayersAhead[Array] | None = None  # summaries read ahead (`key_summary`)
         self._ahead_next = 0  # the first layer the thread still owes
         self._packed_ahead: LayersAhead[PackedLayer] | None = None  # the same, packed (`packed_summary`)
         self._packed_next = 0
-        # summaries read from a slower tier, promoted to memory when the load closes: off the
-        # prefill's path (480 promotions of a 4,096-token prefix cost ~40 ms of a core there)
-        self._promote_later: list[tuple[BlockMeta, int, bytes]] = []
+        self._places: list[PackPlace | None] | None = None  # where each pack lies (`_located`)
+        self._file_headers: dict[tuple[int, int], LayerHeader] = {}  # (block, layer): read, verified
         self._lost: set[bytes] = set()  # blocks forgotten meanwhile: nothing of theirs is promoted
-        # header and chunks in one read (`read_raw_runs`) until a record turns out compressed
-        self._raw_records = True
         self._lock = threading.Lock()  # the reader thread and the caller both count and cache
 
     @property
@@ -149,7 +148,7 @@ class LocalLayeredLoad:
         if layer in self._summaries:
             return self._summaries[layer]
         if self._ahead is None and layer == 0 and self.num_layers > 1 and self._metas:
-            self._ahead = LayersAhead(self._read_ahead, self.num_layers)
+            self._ahead = LayersAhead(self._decoded_summary, self.num_layers)
         if self._ahead is not None and layer >= self._ahead_next:
             keys = self._ahead.get(layer)
             self._ahead_next = layer + 1
@@ -157,11 +156,6 @@ class LocalLayeredLoad:
             keys = self._decoded_summary(layer)
         self._summaries = {layer: keys}
         return keys
-
-    def _read_ahead(self, layer: int) -> Array:
-        """The reader thread's work for `layer`: its decoded summary. (Layer record headers are read
-        with the chosen chunks, in one read: `read_raw_runs`.)"""
-        return self._decoded_summary(layer)
 
     def _decoded_summary(self, layer: int) -> Array:
         return dequantize(self.lowbit_summary(layer))
@@ -171,65 +165,115 @@ class LocalLayeredLoad:
         the blocks' codes side by side, one offset/step group per block. Read once."""
         self._check_layer(layer)
         if layer not in self._lowbit:
-            parts = [self._read_summary(meta, layer).keys for meta in self._metas]
+            parts = []
+            for meta in self._metas:
+                packed = self._summary_reader.verified(meta, layer)
+                codes = unpack_codes(packed.codes, packed.bits, packed.shape)
+                parts.append(LowBitKeys(codes, packed.low, packed.step, packed.bits, packed.group_tokens))
             self._lowbit[layer] = join_lowbit(parts, self._model)
         return self._lowbit[layer]
 
     def packed_summary(self, layer: int) -> PackedLayer:
         """Layer `layer`'s summaries over the matched prefix with their codes still packed, every
         block's side by side (for a device to unpack and score in one op: engine_adapter/runner/
-        chunk_mass.py `device_keys`). Asking for layer 0 first starts a thread that reads and
-        verifies the next layers' records ahead, as `key_summary` does.
+        chunk_mass.py `device_keys`). Asking for layer 0 first starts a thread that reads the
+        next layers' ahead, as `key_summary` does.
 
         Raises:
             InvalidInputError: layer out of range, or blocks of unlike geometry (use `key_summary`).
         """
         self._check_layer(layer)
         if self._packed_ahead is None and layer == 0 and self.num_layers > 1 and self._metas:
-            self._packed_ahead = LayersAhead(self._packed_layer, self.num_layers)
+            self._packed_ahead = LayersAhead(self._summary_reader.packed, self.num_layers)
         if self._packed_ahead is not None and layer >= self._packed_next:
             self._packed_next = layer + 1
             return self._packed_ahead.get(layer)
-        return self._packed_layer(layer)
+        return self._summary_reader.packed(layer)
 
-    def _packed_layer(self, layer: int) -> PackedLayer:
-        return join_packed([self._verified_summary(meta, layer) for meta in self._metas])
-
-    def read_layer(self, layer: int, chunks: Sequence[int], out: Array | None = None) -> LayerSlice:
+    def read_layer(self, layer: int, chunks: Sequence[int] | Array, out: Array | None = None) -> LayerSlice:
         """Chunks `chunks` of `layer`: positions ascending, kv (2, kv_heads, n, head_dim), written
-        into `out` when given (of that shape and the model's dtype: e.g. a page-locked buffer the
-        device copies from next, so the host copies every byte once).
+        into `out` when given (of that shape and the model's dtype). `read_chunks`, then one
+        transposing copy: a device installs `read_chunks`' layout itself.
 
-        Per block, the layer record is read whole when every chunk is wanted (`reads_whole`),
-        else as its header (read once per load) and the chunks' byte ranges.
+        Raises:
+            InvalidInputError: `out` of another shape or dtype.
+        """
+        part = self.read_chunks(layer, chunks)
+        n = len(part.kv)
+        model, c = self._model, self.chunk_tokens
+        shape = (2, model.num_kv_heads, n * c, model.head_dim)
+        _check_out(out, shape, model)
+        kv = np.empty(shape, model.np_dtype) if out is None else out
+        kv.reshape(2, model.num_kv_heads, n, c, model.head_dim)[...] = part.kv.transpose(1, 2, 0, 3, 4)
+        return LayerSlice(part.positions, kv)
+
+    def read_chunks(self, layer: int, chunks: Sequence[int] | Array, out: Array | None = None) -> LayerSlice:
+        """Chunks `chunks` of `layer`, chunk-major: positions ascending, kv (n, 2, kv_heads,
+        chunk_tokens, head_dim) as the records lay each chunk out, written into `out` when given
+        (of that shape and the model's dtype: e.g. a page-locked buffer the device copies from
+        next, so the host copies every byte once). One gathered read over the prefix (module
+        docstring).
 
         Raises:
             InvalidInputError: `out` of another shape or dtype.
         """
         self._check_layer(layer)
-        wanted = check_chunks(chunks, self.matched_tokens // self.chunk_tokens)
-        per_block = self._metas[0].chunks_per_layer if self._metas else 1
-        chosen = np.asarray(wanted, dtype=np.int64)
-        # sorted: each block's chunks are one slice (no scan of every chunk per block)
-        bounds = np.searchsorted(chosen // per_block, np.arange(len(self._metas) + 1))
+        chosen = check_chunks(chunks, self.matched_tokens // self.chunk_tokens)
         c, model = self.chunk_tokens, self._model
-        shape = (2, model.num_kv_heads, len(chosen) * c, model.head_dim)
-        if out is not None and (out.shape != shape or out.dtype != model.np_dtype):
-            raise InvalidInputError(
-                f"out must be {model.dtype} of shape {shape}, got {out.dtype} {out.shape}"
-            )
+        shape = (len(chosen), 2, model.num_kv_heads, c, model.head_dim)
+        _check_out(out, shape, model)
         kv = np.empty(shape, model.np_dtype) if out is None else out
-        starts: list[Array] = [np.zeros(0, np.int64)]
-        for block_index, meta in enumerate(self._metas):
-            a, b = int(bounds[block_index]), int(bounds[block_index + 1])
-            if a < b:  # each block's chunks go straight to their slice: one copy of the KV
-                local = chosen[a:b] - block_index * per_block
-                self._read_block_layer(meta, block_index, layer, local.tolist(), kv[:, :, a * c : b * c])
-                starts.append(meta.start + local * meta.chunk_tokens)
+        if len(chosen):
+            self._gather(layer, chosen, kv)
         self._layers_read.add(layer)
-        self.delivered_tokens += kv.shape[2]
-        positions = (np.concatenate(starts)[:, None] + np.arange(c, dtype=np.int64)).reshape(-1)
+        self.delivered_tokens += len(chosen) * c
+        positions = (chosen[:, None] * c + np.arange(c, dtype=np.int64)).reshape(-1)
         return LayerSlice(positions, kv)
+
+    def _gather(self, layer: int, chosen: Array, kv: Array) -> None:
+        """Sorted chunks `chosen` of `layer` into `kv`: memory's packs and the data file's in one
+        gathered read each, any other block through the tiers."""
+        runs = plan_runs(chosen, self._metas[0].chunks_per_layer)
+        places = self._located()
+        kind = np.array([_kind(p) for p in places], np.int8)[runs.block]
+        # a block whose every chunk is wanted is read whole through the tiers: promoted to memory
+        # once its pack's last layer is verified (a range is never promoted)
+        whole = (
+            np.bincount(runs.block, runs.length, len(places))[runs.block] == self._metas[0].chunks_per_layer
+        )
+        kind[(kind == 2) & whole] = 0
+        rows = kv.reshape(len(chosen), -1).view(np.uint8)
+        if (memory := _only(runs, kind == 1)).num_chunks:
+            self._count_tier("memory", gather_memory(places, layer, memory, rows), memory)
+        if (disk := _only(runs, kind == 2)).num_chunks:
+            self._from_file(places, layer, disk, chosen, kv)
+        for block in _only(runs, kind == 0).blocks().tolist():
+            self._slow_block(block, layer, chosen, kv)
+
+    def hint_layer(self, layer: int, chunks: Sequence[int] | Array) -> int:
+        """Have the disk read these chunks of `layer` in the background (a speculation: the caller
+        reads them, or others, with `read_chunks` later). Returns the chunks hinted (those of
+        blocks the disk serves; memory's need no hint). Never raises for a bad guess."""
+        chosen = np.unique(np.asarray(chunks, dtype=np.int64))
+        total = self.matched_tokens // self.chunk_tokens
+        chosen = chosen[(chosen >= 0) & (chosen < total)]
+        disk = span_tier(self._fetcher)
+        if not len(chosen) or disk is None or not 0 <= layer < self.num_layers:
+            return 0
+        places = self._located()
+        runs = plan_runs(chosen, self._metas[0].chunks_per_layer)
+        spans, hinted = [], 0
+        for block, first, count in zip(
+            runs.block.tolist(), runs.first.tolist(), runs.length.tolist(), strict=True
+        ):
+            place = places[block]
+            if place is not None and place.memory is None:
+                start = place.file_offset + place.chunk_at(layer, first)
+                spans.append((start - place.header_size * (first == 0), count * place.chunk_bytes))
+                hinted += count
+        if spans:
+            disk.will_need(spans)
+        return hinted
 
     @property
     def pinned_keys(self) -> tuple[bytes, ...]:
@@ -242,10 +286,8 @@ class LocalLayeredLoad:
             if ahead is not None:
                 ahead.stop()
         with self._lock:
-            later, self._promote_later = self._promote_later, []
-        for meta, index, data in later:
-            if meta.key not in self._lost:
-                self._index.promote(meta, index, data)
+            lost = set(self._lost)
+        self._summary_reader.promote_pending(lost)
         pin, self._pinned = self._pinned, None
         if pin is not None:
             self._index.tree.unpin(pin)
@@ -261,125 +303,50 @@ class LocalLayeredLoad:
     def _check_layer(self, layer: int) -> None:
         check_layer(layer, self.num_layers)
 
-    def _read_block_layer(
-        self, meta: BlockMeta, block_index: int, layer: int, mine: list[int], into: Array
+    def _located(self) -> list[PackPlace | None]:
+        """Where each block's pack lies, located on first use (memory's, or the data file's)."""
+        if self._places is None:
+            self._places = locate_places(self._fetcher, self._metas, self._model)
+        return self._places
+
+    def _count_tier(self, tier: str, nbytes: int, runs: LayerRuns) -> None:
+        self._count_read(nbytes)
+        self._counters.add_many(
+            {f"bytes_read.{tier}": nbytes, f"chunk_hits.{tier}": len(runs.blocks()),
+             f"gathered_chunks.{tier}": runs.num_chunks}
+        )  # fmt: skip
+
+    def _from_file(
+        self, places: list[PackPlace | None], layer: int, runs: LayerRuns, chosen: Array, kv: Array
     ) -> None:
-        """Sorted local chunks `mine` of one block's layer record, copied into `into`
-        (2, kv_heads, len(mine) * chunk_tokens, head_dim)."""
-        try:
-            chunks = self._layer_chunks(meta, block_index, layer, mine)
-        except GeometryError as exc:
-            self._lose(meta, "geometry_mismatches")
-            raise GeometryError(f"block {meta.key.hex()}: {exc}") from exc
-        except ChecksumError as exc:
-            self._lose(meta, "checksum_failures")
-            raise ChecksumError(f"block {meta.key.hex()}: {exc}") from exc
-        if chunks is None:
-            self._lose(meta, "chunk_misses")
-            raise NotFoundError(f"block {meta.key.hex()}: the record of layer {layer} is in no tier")
-        _, heads, _, dim = into.shape
-        joined = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # (n, 2, heads, c, dim)
-        n, c = joined.shape[0], joined.shape[3]
-        into.reshape(2, heads, n, c, dim)[...] = joined.transpose(1, 2, 0, 3, 4)  # splits an axis: a view
-
-    def _layer_chunks(
-        self, meta: BlockMeta, block_index: int, layer: int, mine: list[int]
-    ) -> list[Array] | None:
-        """Chunks `mine` as runs of (n, 2, kv_heads, c, head_dim) arrays, in order; None: in no tier."""
-        index, fetcher = meta.record_index(layer, 0), self._fetcher
-        if reads_whole(len(mine), meta.chunks_per_layer):
-            found = fetcher.whole_records(meta, [index], self._model)
-            if found is None:
-                return None
-            geometry = layer_geometry(meta, layer, self._model)
-            header, chunks = decode_layer_record(
-                found[0].data, meta.chunk_id(index), found[0].trusted, geometry=geometry
-            )
-            fetcher.promote(meta, index, found[0], header, chunks)
-            self._count_read(len(found[0].data))
-            return [chunks[mine]]
-        if self._raw_records and (block_index, layer) not in self._headers:  # header and chunks at once
-            raw = read_raw_runs(fetcher, meta, index, mine, self._model)
-            if raw is not None:
-                self._headers[(block_index, layer)] = raw.head
-                self._count_read(raw.nbytes)
-                if raw.runs is not None:
-                    return raw.runs
-                self._raw_records = False  # compressed: this load reads by the header from now on
-        for _attempt in range(2):  # a cached header's tier may have dropped the record since
-            head = self._headers.get((block_index, layer))
-            if head is None:
-                head = read_header(fetcher, meta, index, self._model)
-                if head is None:
-                    return None
-                self._headers[(block_index, layer)] = head
-                self._count_read(head.header.size)
-            got = read_chunk_runs(fetcher, meta, index, head, mine)
-            if got is None:
-                self._headers.pop((block_index, layer), None)
-                continue
-            runs, nbytes = got
-            self._count_read(nbytes)
-            return [run for _, run in runs]
-        return None
-
-    def _read_summary(self, meta: BlockMeta, layer: int) -> DecodedSummary:
-        """One summary record, as `_verified_summary`, its codes unpacked."""
-        packed = self._verified_summary(meta, layer)
-        codes = unpack_codes(packed.codes, packed.bits, packed.shape)
-        return DecodedSummary(
-            packed.record_id, LowBitKeys(codes, packed.low, packed.step, packed.bits, packed.group_tokens)
+        """`runs` read by offset from the data file and verified; a block that fails is read again
+        through the tiers (which forgets it and raises if its record is really corrupt)."""
+        disk = span_tier(self._fetcher)
+        assert disk is not None
+        rows = kv.reshape(len(kv), -1).view(np.uint8)
+        reads, nbytes = gather_file(
+            places, layer, runs, rows, disk.read_spans, lambda block: self._file_headers.get((block, layer))
         )
+        self._count_tier(disk.name, nbytes, runs)
 
-    def _verified_summary(self, meta: BlockMeta, layer: int) -> PackedSummary:
-        """One summary record, fastest tier first, verified (codes packed); promoted to memory from a
-        slower tier when the load closes."""
-        index = meta.record_index(layer)
-        if self._finish_summaries is not None:  # a block stored just now may not have them yet
-            self._finish_summaries(meta.key)
-        for tier in self._fetcher.tiers.all:
-            data = self._summary_record(tier, meta, layer)
-            if data is None:
-                continue
-            try:
-                summary = verify_summary(data, meta.chunk_id(index), summary_geometry(meta, self._model))
-            except ChecksumError as exc:
-                if self._fetcher.refuse_remote(tier, meta, exc):
-                    continue  # a miss: the remote tier is the last one
-                geometry = isinstance(exc, GeometryError)
-                self._lose(meta, "geometry_mismatches" if geometry else "checksum_failures")
-                error = GeometryError if geometry else ChecksumError
-                raise error(f"block {meta.key.hex()}, summary of layer {layer}: {exc}") from exc
-            self._count_read(len(data))
-            self._counters.add_many({f"summary_hits.{tier.name}": 1, f"bytes_read.{tier.name}": len(data)})
-            if tier is not self._fetcher.tiers.memory:
-                with self._lock:
-                    self._promote_later.append((meta, index, bytes(data)))
-            return summary
-        self._lose(meta, "chunk_misses")
-        raise NotFoundError(f"block {meta.key.hex()}: the summary of layer {layer} is in no tier")
+        def expect(block: int) -> tuple[Any, Any]:
+            meta = self._metas[block]
+            return meta.chunk_id(meta.record_index(layer, 0)), layer_geometry(meta, layer, self._model)
 
-    def _summary_record(self, tier: Tier, meta: BlockMeta, layer: int) -> bytes | memoryview | None:
-        """Layer `layer`'s summary record of `meta` as `tier` holds it (None: not there).
+        verified, failed = verify_file_reads(reads, rows, expect)
+        self._file_headers.update({(block, layer): header for block, header in verified.items()})
+        for block in failed:
+            with self._lock:  # located at open, wrong now: read through the tiers from now on
+                self._located()[block] = None
+            self._slow_block(block, layer, chosen, kv)
 
-        The first request for a block reads every layer's summary from the tier in one call (one
-        transaction, adjacent values: the prefill asks for layer 0, then 1, ... within
-        milliseconds); each is handed out once, then dropped. One call per record cost 480 reads
-        for a 4,096-token prefix (issue #27, item 5).
-        """
-        cache_key = (tier.name, meta.key)
-        with self._lock:
-            records = self._summary_records.get(cache_key)
-        if records is None:
-            records = [None] * meta.num_layers
-            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
-                wanted = [meta.record_index(other) for other in range(meta.num_layers)]
-                records = [None if d is None else bytes(d) for d in tier.get_chunks(meta, wanted)]
-            with self._lock:
-                records = self._summary_records.setdefault(cache_key, records)
-        with self._lock:
-            data, records[layer] = records[layer], None
-        return data
+    def _slow_block(self, block: int, layer: int, chosen: Array, kv: Array) -> None:
+        """Block `block`'s chunks among `chosen` (the layer's, sorted) read through the tiers, into
+        their slots of `kv`."""
+        per_block = self._metas[0].chunks_per_layer
+        first, end = np.searchsorted(chosen, [block * per_block, (block + 1) * per_block]).tolist()
+        mine = (chosen[first:end] - block * per_block).tolist()
+        self._ranged.read(self._metas[block], block, layer, mine, kv[first:end])
 
     def _count_read(self, nbytes: int) -> None:
         with self._lock:  # the reader thread counts summaries while the caller counts chunks
@@ -391,3 +358,17 @@ class LocalLayeredLoad:
         self._counters.add(counter)
         self._fetcher.forget(meta.key)
         self._index.forget(meta.key)
+
+
+def _check_out(out: Array | None, shape: tuple[int, ...], model: ModelSpec) -> None:
+    if out is not None and (out.shape != shape or out.dtype != model.np_dtype):
+        raise InvalidInputError(f"out must be {model.dtype} of shape {shape}, got {out.dtype} {out.shape}")
+
+
+def _kind(place: PackPlace | None) -> int:
+    """0: read through the tiers; 1: memory's pack; 2: the data file by offset."""
+    return 0 if place is None else 1 if place.memory is not None else 2
+
+
+def _only(runs: LayerRuns, mask: Array) -> LayerRuns:
+    return LayerRuns(*(part[mask] for part in runs))

@@ -140,6 +140,29 @@ def pack_view(fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: 
     )  # fmt: skip
 
 
+def held_view(fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: ModelSpec) -> PackView | None:
+    """The pack memory holds of `meta` as a `PackView` of memory's own bytes: nothing is read from
+    another tier and nothing counted (a partial load counts what it copies). None if memory does not
+    hold it, or its records are not raw ones of one size (read those by ranges).
+
+    Raises:
+        ChecksumError: as `pack_view` (memory's headers are checked once, then kept).
+    """
+    pack = fetcher.memory_pack(meta)
+    if pack is None:
+        return None
+    headers, layers = _verified_layers(fetcher, meta, pack, model)
+    if layers or _stacked(pack, headers) is None:
+        return None
+    first = headers[0]
+    positions = meta.start + np.arange(meta.chunks_per_layer * meta.chunk_tokens, dtype=np.int64)
+    stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
+    return PackView(
+        block_index, positions, pack.data, pack.offsets[0] + first.size, stride,
+        first.total_bytes - first.size, first.chunk_shape(), first.dtype, pack.tier, 0,
+    )  # fmt: skip
+
+
 def _decoded(meta: BlockMeta, pack: WholePack, headers: list[LayerHeader], model: ModelSpec) -> list[Array]:
     """Every layer's chunks of a pack whose headers were verified together (raw records)."""
     return [

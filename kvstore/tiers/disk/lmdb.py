@@ -1,21 +1,20 @@
 """Disk tier: one LMDB environment under the data directory.
 
-A block's chunks and its metadata are written in one write transaction, so a
-process killed at any instant leaves either the whole block or none of it.
-LMDB's copy-on-write B-tree with synchronous commits gives that without a journal
-of our own; `put_blocks` writes several blocks in one transaction (a Store call is
-all or nothing). The data file is checked before it is mapped (kvstore/tiers/disk/datafile.py),
-write failures become `StoreFullError` (disk full) or `StorageUnavailableError`,
-and every write first checks that `data.mdb` is still the file that was opened:
-one deleted or replaced under a running store fails writes instead of writing
-into an unlinked file that vanishes at restart. Reads keep readahead on: chunks are large values stored in
-consecutive overflow pages, and cold reads measured 0.98 GB/s with readahead
-against 83 MB/s without.
+A block's chunks and its metadata are written in one write transaction, so a process killed at any
+instant leaves either the whole block or none of it. LMDB's copy-on-write B-tree with synchronous
+commits gives that without a journal of our own; `put_blocks` writes several blocks in one
+transaction (a Store call is all or nothing). The data file is checked before it is mapped
+(kvstore/tiers/disk/datafile.py), write failures become `StoreFullError` (disk full) or
+`StorageUnavailableError`, and every write first checks that `data.mdb` is still the file that was
+opened: one deleted or replaced under a running store fails writes instead of writing into an
+unlinked file that vanishes at restart. Reads keep readahead on: chunks are large values stored in
+consecutive overflow pages, and cold reads measured 0.98 GB/s with readahead against 83 MB/s without.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -200,6 +199,26 @@ class LmdbTier:
             if value is None:
                 return None
             return [memoryview(bytes(value[start:end])) for start, end in ranges]
+
+    def value_spans(self, requests: Sequence[tuple[BlockMeta, int]]) -> list[tuple[int, int] | None]:
+        """(data file offset, bytes) of each record (`meta`, index), None where not held, located
+        without reading a byte; read later (`read_spans`) under a pin, and verified: a place only."""
+        with self._read_txn(self._chunks_db, buffers=True) as txn:
+            cursor = txn.cursor()
+            keys = [chunk_key(m.key, m.layout_version, i) for m, i in requests]
+            hits = [cursor.set_key(k) and cursor.value() for k in keys]
+            return [self._reader.file_span(v, len(v)) if v else None for v in hits]
+
+    def read_spans(self, spans: Sequence[tuple[int, Sequence[memoryview]]]) -> list[int]:
+        """Fill each span's buffers from its data file offset, in parallel; bytes read of each."""
+        try:
+            return self._reader.spans.read(spans)
+        except OSError as exc:
+            raise StorageUnavailableError(f"reading {self.data_file()}: {exc}") from exc
+
+    def will_need(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Have the kernel read these (offset, bytes) spans ahead, from the hint thread; returns at once."""
+        self._hints.submit(functools.partial(self._reader.will_need, list(spans)))
 
     def prefetch(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> None:
         """Have the kernel read these blocks' chunks in the background, so a load's disk reads

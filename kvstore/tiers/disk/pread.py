@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstore.tiers.arena import HostArena
+from kvstore.tiers.disk.spans import SpanReads
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class MapReader:
         self._inode = os.fstat(self._fd).st_ino
         self._mapping: _Mapping | None = None
         self.warm = warm
+        #: Reads of many spans of the file at once (a layer of a query-aware load).
+        self.spans = SpanReads(self._fd)
 
     def file_span(self, first: Any, nbytes: int) -> tuple[int, int] | None:
         """(offset, nbytes) of the data file from where value `first` lies, or None when the
@@ -139,6 +142,7 @@ class MapReader:
 
     def close(self) -> None:
         """Close the file descriptor. Idempotent."""
+        self.spans.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

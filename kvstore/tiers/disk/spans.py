@@ -1,0 +1,91 @@
+"""Many byte spans of one file read at once, into the caller's buffers, on a pool of threads.
+
+A query-aware load reads, per layer, a run of chunks or two from every block of the prefix: 64
+blocks at 16k tokens, each a few tens of KiB, scattered over the data file. Issued one after the
+other, each read waits for the one before it, and a cold disk serves one request at a time. Here a
+layer's reads are one submission: `os.preadv` straight into the destination (a record's header and
+the chunks after it in one call), up to `threads` of them in flight (`os.preadv` lets go of the
+GIL), so the disk sees a queue deep enough to stream. Which reader to keep was measured
+(docs/performance.md, "Partial loads"): a pool of `preadv` against one thread; io_uring and KvikIO
+are not installed on the CPU machine and were not measured.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+#: Reads in flight at once: enough to keep an NVMe queue busy with reads of tens of KiB.
+THREADS = 8
+#: Fewer spans than this are read on the calling thread (a pool round costs ~50 us).
+INLINE_SPANS = 4
+
+
+class SpanReads:
+    """Parallel `preadv` of one file descriptor's spans. Thread-safe; `close` ends the pool.
+
+    Args:
+        fd: an open file descriptor (not closed here).
+        threads: reads in flight at once.
+    """
+
+    def __init__(self, fd: int, threads: int = THREADS) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._fd, self._threads = fd, threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read(self, spans: Sequence[tuple[int, Sequence[memoryview]]]) -> list[int]:
+        """Fill each span's buffers, in order, from its file offset; returns the bytes read of each
+        (fewer than asked only at the file's end).
+
+        Raises:
+            OSError: a read failed.
+        """
+        if len(spans) < INLINE_SPANS:
+            return [self._read_one(span) for span in spans]
+        return list(self._executor().map(self._read_one, spans))
+
+    def close(self) -> None:
+        """End the pool (reads under way finish first). Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise OSError("the span reader is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvsieve-span-read")
+            return self._pool
+
+    def _read_one(self, span: tuple[int, Sequence[memoryview]]) -> int:
+        offset, buffers = span
+        wanted = sum(b.nbytes for b in buffers)
+        done = os.preadv(self._fd, list(buffers), offset)
+        while 0 < done < wanted:  # a short read mid-file (a signal): the rest, from where it stopped
+            rest = _after(buffers, done)
+            more = os.preadv(self._fd, rest, offset + done)
+            if more <= 0:
+                break
+            done += more
+        return done
+
+
+def _after(buffers: Sequence[memoryview], skip: int) -> list[memoryview]:
+    """The parts of `buffers` after their first `skip` bytes."""
+    rest: list[memoryview] = []
+    for buf in buffers:
+        if skip >= buf.nbytes:
+            skip -= buf.nbytes
+            continue
+        rest.append(buf.cast("B")[skip:])
+        skip = 0
+    return rest

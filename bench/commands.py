@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "dsl": "bench.dsl.dsl_bench",
     "events": "bench.events.events_bench",
     "gpu": "bench.datapath.gpu_bench",
+    "layers": "bench.datapath.layers_bench",
     "layout": "bench.datapath.layout_bench",
     "longdoc": "bench.quality.longdoc_bench",
     "quality": "bench.quality.quality_bench",

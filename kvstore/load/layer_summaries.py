@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class SummaryReader:
         self._held_known = False  # whether `_held` was looked for
         self._first: PackedSummary | None = None  # block 0's layer 0, parsed: the geometry of all
         # (tier, block key): every layer's summary record, read at once (`_record`)
-        self._records: dict[tuple[str, bytes], list[bytes | None]] = {}
+        self._records: dict[tuple[str, bytes], list[Any]] = {}
         # records read from a slower tier, promoted to memory when the load closes: off the
         # prefill's path (480 promotions of a 4,096-token prefix cost ~40 ms of a core there)
         self._promote_later: list[tuple[BlockMeta, int, bytes]] = []
@@ -171,21 +172,34 @@ class SummaryReader:
         The first request for a block reads every layer's summary from the tier in one call (one
         transaction, adjacent values: the prefill asks for layer 0, then 1, ... within
         milliseconds); each is handed out once, then dropped. One call per record cost 480 reads
-        for a 4,096-token prefix (issue #27, item 5).
+        for a 4,096-token prefix (issue #27, item 5). A record asked for again (a layer read out of
+        order, then again by the reader thread) is read again on its own: handed out is not absent
+        (taken for absent, it made the load forget a good block).
         """
         cache_key = (tier.name, meta.key)
         with self._lock:
             records = self._records.get(cache_key)
         if records is None:
-            records = [None] * meta.num_layers
-            with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
-                wanted = [meta.record_index(other) for other in range(meta.num_layers)]
-                records = [None if d is None else bytes(d) for d in tier.get_chunks(meta, wanted)]
+            records = self._read_all(tier, meta)
             with self._lock:
                 records = self._records.setdefault(cache_key, records)
         with self._lock:
-            data, records[layer] = records[layer], None
+            data, records[layer] = records[layer], _TAKEN
+        if data is _TAKEN:
+            return self._read_all(tier, meta, [layer])[0]
         return data
+
+    def _read_all(self, tier: Tier, meta: BlockMeta, layers: Sequence[int] | None = None) -> list[Any]:
+        """Summary records `layers` (default all) of `meta` from `tier`, None where it has none."""
+        wanted = range(meta.num_layers) if layers is None else layers
+        with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+            got = tier.get_chunks(meta, [meta.record_index(layer) for layer in wanted])
+            return [None if d is None else bytes(d) for d in got]
+        return [None] * len(wanted)
+
+
+#: A record `_record` handed out already (read again if asked again).
+_TAKEN: Any = object()
 
 
 def _stacked_layer(

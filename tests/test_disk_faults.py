@@ -11,7 +11,6 @@ import errno
 import functools
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -110,7 +109,10 @@ def test_damage_behind_valid_meta_pages_never_kills_fsck(tmp_path: Path) -> None
     assert "Traceback" not in result.stderr
 
 
-def test_value_pointing_past_the_end_is_a_sigbus_for_lmdb_but_not_for_fsck(tmp_path: Path) -> None:
+def test_value_pointing_past_the_end_is_a_bad_record_not_a_sigbus(tmp_path: Path) -> None:
+    """py-lmdb touches every page of a value it hands out: a node claiming 256 MiB past the file's
+    end was a SIGBUS in any process that read it. Values are located by their nodes and read with
+    pread (kvstore/tiers/disk/locate.py): a short read, a record that fails its checksum."""
     data_file = filled(tmp_path / "data")
     env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=4)
     with env.begin() as txn:
@@ -128,9 +130,10 @@ def test_value_pointing_past_the_end_is_a_sigbus_for_lmdb_but_not_for_fsck(tmp_p
         [sys.executable, "-c", f"from kvstore.offline.fsck import fsck; fsck({str(tmp_path / 'data')!r})"],
         capture_output=True, timeout=60,
     )  # fmt: skip
-    assert in_process.returncode == -signal.SIGBUS  # what an unisolated check would do
+    assert in_process.returncode == 0, in_process.stderr  # no signal, even unisolated
     result = kvsieve("fsck", "--data-dir", str(tmp_path / "data"))
-    assert result.returncode == 2 and "died with SIGBUS" in result.stdout and str(data_file) in result.stdout
+    assert result.returncode == 2 and "bad-chunk" in result.stdout and "checksum mismatch" in result.stdout
+    assert "Traceback" not in result.stderr
 
 
 def test_deleted_data_file_fails_writes_instead_of_vanishing(tmp_path: Path) -> None:

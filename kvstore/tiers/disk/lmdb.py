@@ -7,8 +7,8 @@ transaction (a Store call is all or nothing). The data file is checked before it
 (kvstore/tiers/disk/datafile.py), write failures become `StoreFullError` (disk full) or
 `StorageUnavailableError`, and every write first checks that `data.mdb` is still the file that was
 opened: one deleted or replaced under a running store fails writes instead of writing into an
-unlinked file that vanishes at restart. Reads keep readahead on: chunks are large values stored in
-consecutive overflow pages, and cold reads measured 0.98 GB/s with readahead against 83 MB/s without.
+unlinked file that vanishes at restart. Values are located by their nodes (disk/locate.py) and
+read with pread (disk/pread.py); the map's readahead is off: the B-tree is all it faults in.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvstore.keys import KEY_BYTES, chunk_key
 from kvstore.stats import TierUsage
 from kvstore.tiers.base import Span
 from kvstore.tiers.disk.datafile import DATA_FILE, check_data_file, reserve_lock_file, write_error
+from kvstore.tiers.disk.locate import NodeLocator
 from kvstore.tiers.disk.mapguard import MapGuard
 from kvstore.tiers.disk.pread import HintThread, MapReader, WarmRanges
 
@@ -83,6 +84,7 @@ class LmdbTier:
         self._hints = HintThread(f"kvsieve-readahead-{self._path.name}")
         warm = WarmRanges(warm_read_bytes) if warm_read_bytes > 0 else None
         self._reader = MapReader(self.data_file(), warm)
+        self._nodes = NodeLocator(self._env.stat()["psize"], self._reader.file_span)
 
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
         """Check the data file, reserve the lock file, open LMDB; errors become domain errors."""
@@ -97,7 +99,7 @@ class LmdbTier:
                 map_size=self._initial_map_size(),
                 max_dbs=4,
                 max_readers=_MAX_READERS,
-                readahead=True,
+                readahead=False,
                 sync=True,
                 metasync=True,
             )
@@ -182,32 +184,33 @@ class LmdbTier:
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         """The chunks, read through one cursor: a block's chunk keys sort adjacently, so the
-        cursor stays on the same leaf page; the values are read with pread (kvstore/tiers/disk/pread.py)."""
+        cursor stays on the same leaf page; each value is located by its node, none of its pages
+        touched (kvstore/tiers/disk/locate.py), and read with pread (kvstore/tiers/disk/pread.py)."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
-            views = [
-                cursor.value() if cursor.set_key(chunk_key(meta.key, meta.layout_version, index)) else None
-                for index in indices
+            places = [
+                self._nodes.place(txn, cursor, chunk_key(meta.key, meta.layout_version, i)) for i in indices
             ]
-            return self._reader.read(views)  # inside the transaction: no page of it is reused
+            return self._reader.read(places)  # inside the transaction: no page of it is reused
 
     def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
-        """Slices of one value, copied out inside the read transaction: slicing the map's
-        memoryview touches only those pages (a partial read of a layer record)."""
+        """Slices of one value, read with pread inside the read transaction (only those bytes)."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
             value = txn.get(chunk_key(meta.key, meta.layout_version, index))
             if value is None:
                 return None
-            return [memoryview(bytes(value[start:end])) for start, end in ranges]
+            return self._reader.slices(value, ranges)
 
     def value_spans(self, requests: Sequence[tuple[BlockMeta, int]]) -> list[tuple[int, int] | None]:
         """(data file offset, bytes) of each record (`meta`, index), None where not held, located
-        without reading a byte; read later (`read_spans`) under a pin, and verified: a place only."""
+        by its node (no byte of it read); read later (`read_spans`) under a pin, and verified."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
-            cursor = txn.cursor()
-            keys = [chunk_key(m.key, m.layout_version, i) for m, i in requests]
-            hits = [cursor.set_key(k) and cursor.value() for k in keys]
-            return [self._reader.file_span(v, len(v)) if v else None for v in hits]
+            return self._spans(txn, [chunk_key(m.key, m.layout_version, i) for m, i in requests])
+
+    def _spans(self, txn: Any, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        cursor, span = txn.cursor(), self._reader.file_span
+        places = [self._nodes.place(txn, cursor, key) for key in keys]
+        return [p if p is None or isinstance(p, tuple) else span(p, len(p)) for p in places]
 
     def read_spans(self, spans: Sequence[tuple[int, Sequence[memoryview]]]) -> list[int]:
         """Fill each span's buffers from its data file offset, in parallel; bytes read of each."""
@@ -236,12 +239,10 @@ class LmdbTier:
         reads block 1 while block 2's B-tree page is still being faulted in."""
         hint_errors = contextlib.suppress(lmdb.Error, OSError)
         with hint_errors, self._read_txn(self._chunks_db, buffers=True) as txn:
-            cursor = txn.cursor()
-            for key, version, first, nbytes in wanted:  # a block's chunks lie in index order
-                if cursor.set_key(chunk_key(key, version, first)):
-                    span = self._reader.file_span(cursor.value(), nbytes + _READ_SLACK)
-                    if span is not None:
-                        self._reader.will_need([span])
+            places = self._spans(txn, [chunk_key(key, version, first) for key, version, first, _ in wanted])
+            for (*_, nbytes), place in zip(wanted, places, strict=True):  # a block's chunks lie in order
+                if place is not None:
+                    self._reader.will_need([(place[0], nbytes + _READ_SLACK)])
 
     def get_meta(self, key: bytes) -> BlockMeta | None:
         return self._get_meta_raw(key)

@@ -29,7 +29,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -113,21 +113,52 @@ class MapReader:
         """Forget where the map lies (LMDB may move it when the map size changes)."""
         self._mapping = None
 
-    def read(self, views: list[Any]) -> list[memoryview | None]:
-        """Immutable copies of `views` (None stays None), read from the file where possible."""
-        spans = [None if v is None else address_range(v) for v in views]
-        found = [s for s in spans if s is not None]
-        mapping = self._locate(found)
-        if mapping is None:  # not a mapping of our file (or no /proc): copy out of the map
-            return [None if v is None else memoryview(bytes(v)) for v in views]
+    def read(self, items: list[Any]) -> list[memoryview | None]:
+        """Immutable copies of values, read from the file where possible: each item a view into the
+        map, a (file offset, bytes) place (kvstore/tiers/disk/locate.py), or None (stays None)."""
+        views = [v for v in items if v is not None and not isinstance(v, tuple)]
+        mapping = self._locate([address_range(v) for v in views]) if views else None
+        if views and mapping is None:  # not a mapping of our file (or no /proc): copy those out
+            return [self._copied(item) for item in items]
+        spans = [self._file_place(item, mapping) for item in items]
         reads: dict[tuple[int, int], memoryview] = {}
-        for start, end, members in _runs(found):
-            whole = self._read(end - start, start - mapping.start + mapping.offset)
+        for start, end, members in _runs([s for s in spans if s is not None]):
+            whole = self._read(end - start, start)
             if len(whole) != end - start:  # the file ends inside the map: copy these out instead
-                return [None if v is None else memoryview(bytes(v)) for v in views]
-            for addr, length in members:
-                reads[(addr, length)] = whole[addr - start : addr - start + length]
+                return [self._copied(item) for item in items]
+            for offset, length in members:
+                reads[(offset, length)] = whole[offset - start : offset - start + length]
         return [None if s is None else reads[s] for s in spans]
+
+    def _file_place(self, item: Any, mapping: _Mapping | None) -> tuple[int, int] | None:
+        if item is None or isinstance(item, tuple):
+            return item
+        assert mapping is not None
+        address, length = address_range(item)
+        return address - mapping.start + mapping.offset, length
+
+    def _copied(self, item: Any) -> memoryview | None:
+        if item is None:
+            return None
+        if isinstance(item, tuple):
+            return memoryview(os.pread(self._fd, item[1], item[0]))
+        return memoryview(bytes(item))
+
+    def slices(self, value: Any, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Immutable copies of byte ranges [start, end) of one value (clipped at its end), read from
+        the file where the value lies in its map, else copied out of the map."""
+        span = self.file_span(value, len(value))
+        if span is None:
+            return [memoryview(bytes(value[start:end])) for start, end in ranges]
+        out = []
+        for start, end in ranges:
+            start, end = min(start, len(value)), min(end, len(value))
+            out.append(
+                memoryview(os.pread(self._fd, end - start, span[0] + start))
+                if end > start
+                else memoryview(b"")
+            )
+        return out
 
     def _read(self, nbytes: int, offset: int) -> memoryview:
         """`nbytes` of the file from `offset` (fewer at its end), read-only, in a warm range
@@ -160,7 +191,7 @@ class MapReader:
 
 
 def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """(start, end, spans) of runs of spans no further than MERGE_GAP apart, in address order."""
+    """(start, end, spans) of runs of spans no further than MERGE_GAP apart, in file order."""
     runs: list[tuple[int, int, list[tuple[int, int]]]] = []
     for addr, length in sorted(set(spans)):
         if runs and addr <= runs[-1][1] + MERGE_GAP:

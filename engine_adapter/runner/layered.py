@@ -72,6 +72,10 @@ class LayeredReport:
         topup_steps: decode steps that fetched at least one chunk.
         topup_s: seconds spent scoring, reading and inserting during decoding.
         topup_error: why the top-up stopped (a store error; the answer went on without it).
+        speculated_chunks: chunks chosen in layers whose choice was guessed a layer ahead (a load
+            that reads from disk guesses layer l+1's chunks from layer l's input and has the disk
+            read them while layer l computes: `NextLayerGuess`).
+        speculation_hits: of those, the chunks the guess had named.
     """
 
     matched_tokens: int
@@ -91,6 +95,13 @@ class LayeredReport:
     topup_steps: int = 0
     topup_s: float = 0.0
     topup_error: str = ""
+    speculated_chunks: int = 0
+    speculation_hits: int = 0
+
+    @property
+    def speculation_hit_rate(self) -> float:
+        """The share of guessed layers' chosen chunks the guess had named (0.0 if none guessed)."""
+        return self.speculation_hits / self.speculated_chunks if self.speculated_chunks else 0.0
 
     @property
     def topup_fraction(self) -> float:
@@ -171,6 +182,8 @@ def layered_prefill(
                                  torch.zeros(shape, dtype=dtype, device=device))
                                 for _ in range(config.num_hidden_layers)])  # fmt: skip
     filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids), keep_summaries)
+    if isinstance(load, LocalLayeredLoad) and load.reads_from_disk:  # memory needs no read-ahead
+        filler.guess = NextLayerGuess(load, [layer.self_attn for layer in model.model.layers])
     handles = [
         layer.self_attn.register_forward_pre_hook(filler, with_kwargs=True) for layer in model.model.layers
     ]
@@ -199,6 +212,8 @@ class _LayerFiller:
         self.chosen: dict[int, Array] = {}
         self.summaries: dict[int, torch.Tensor] = {}
         self.load_s = 0.0
+        self._ahead: tuple[int, torch.Tensor] | None = None  # the next layer's summary, read early
+        self.guess: NextLayerGuess | None = None  # set by `layered_prefill` for loads from disk
 
     def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         t0 = time.perf_counter()
@@ -226,12 +241,21 @@ class _LayerFiller:
             # In place (the mask stays valid); on CUDA through pinned staging on the copy stream.
             copy_into_cache(self.cache.layers[layer], part.kv)
         self.chosen[layer] = chosen
+        if self.guess is not None:
+            self.guess.score(layer, chosen)
+            if layer + 1 < len(self.guess.attentions):
+                hidden, cos, sin = hidden, cos[:, last], sin[:, last]
+                following = self._summary(layer + 1, queries.device)
+                self._ahead = (layer + 1, following)
+                self.guess.guess(layer + 1, hidden, cos, sin, following, self.chunks)
         self.load_s += time.perf_counter() - t0
 
     def _summary(self, layer: int, device: torch.device) -> torch.Tensor:
         """Layer `layer`'s key summaries on `device`, unpacked there from their packed codes where the
         load has them (`device_keys`: one small copy to a GPU, a few whole-array ops; the same values
         as the host's decoding), else decoded by the load."""
+        if self._ahead is not None and self._ahead[0] == layer:  # read a layer early, to guess with
+            return self._ahead[1]
         packed = getattr(self.load, "packed_summary", None)
         if packed is not None:
             with contextlib.suppress(ValueError, InvalidInputError):  # unlike blocks: the host decodes
@@ -245,7 +269,48 @@ class _LayerFiller:
             float(load.delivered_fraction), float(load.read_fraction),
             load.summary_bytes / load.prefix_bytes if load.prefix_bytes else 0.0,
             int(load.bytes_read), dict(self.chosen), self.new_tokens, self.query_tokens, self.load_s,
+            speculated_chunks=self.guess.guessed if self.guess else 0,
+            speculation_hits=self.guess.hits if self.guess else 0,
         )  # fmt: skip
+
+
+class NextLayerGuess:
+    """Guesses layer l+1's chunks from layer l's attention input and has the disk read them while
+    layer l computes; counts how many of the chunks layer l+1 then chose it had named.
+
+    Consecutive layers' inputs are close (the residual stream changes little per layer), so layer
+    l+1's query projection of layer l's input approximates its queries (InfiniGen, OSDI 2024,
+    speculates the same way). A guess only hints the disk (`LocalLayeredLoad.hint_layer`): layer
+    l+1 still chooses by its own queries, and reads what the guess missed then; the answer is the
+    same whatever the guess.
+    """
+
+    def __init__(self, load: LocalLayeredLoad, attentions: Sequence[Any]) -> None:
+        self.load, self.attentions = load, attentions
+        self._guesses: dict[int, Array] = {}
+        self.guessed = 0  # chunks chosen in layers that had a guess
+        self.hits = 0  # of those, named by the guess
+
+    def guess(
+        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary: torch.Tensor,
+        chunks: int,
+    ) -> None:  # fmt: skip
+        """Guess layer `layer`'s `chunks` from the layer before's input `hidden` (and its positions'
+        `cos`, `sin`) against `summary`, its keys' summary; hint the disk."""
+        module = self.attentions[layer]
+        queries = layer_queries(module, hidden, cos, sin)[0]
+        chunk = int(self.load.chunk_tokens)
+        mass = chunk_mass(queries, summary, chunk, float(module.scaling))
+        guessed = choose_by_mass(mass, int(summary.shape[1]), chunks, chunk_tokens=chunk)
+        self._guesses[layer] = guessed
+        self.load.hint_layer(layer, guessed)
+
+    def score(self, layer: int, chosen: Array) -> None:
+        """Count how much of layer `layer`'s choice its guess named (nothing if it had none)."""
+        guessed = self._guesses.pop(layer, None)
+        if guessed is not None:
+            self.guessed += len(chosen)
+            self.hits += len(np.intersect1d(guessed, chosen, assume_unique=True))
 
 
 def chunk_positions(chosen: Array, chunk_tokens: int) -> Array:

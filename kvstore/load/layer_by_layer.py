@@ -276,6 +276,11 @@ class LocalLayeredLoad:
         return hinted
 
     @property
+    def reads_from_disk(self) -> bool:
+        """Whether some block is read by offset from the disk's data file (not memory's)."""
+        return any(p is not None and p.memory is None for p in self._located())
+
+    @property
     def pinned_keys(self) -> tuple[bytes, ...]:
         """Keys of the blocks this load keeps pinned (empty once closed)."""
         return () if self._pinned is None else self._pinned.keys

@@ -47,6 +47,9 @@ PUBLISHED = {
     )
     + " summary_bytes_fraction summary_bytes_fraction_minmax summary_bytes_fraction_mean "
     "summary_bytes_fraction_lowbit2",
+    "layers": "qa_host_ms_per_layer qa_host_ms_per_layer_summaries qa_host_ms_per_layer_choice "
+    "qa_host_ms_per_layer_reads qa_read_fraction qa_cold_read_vs_disk qa_read_vs_full_read_cold "
+    "disk_seq_read_mb_s",
     "layout": "store_mb_s_importance store_mb_s_layered cold_full_mb_s_importance cold_full_mb_s_layered "
     "warm_full_mb_s_importance warm_full_mb_s_layered warm_0_25_ms_importance warm_0_25_ms_layered "
     "layered_vs_importance_cold layered_vs_importance_warm layer_read_0_25_ms layered_block_bytes_ratio",
@@ -83,7 +86,8 @@ PEER_KEYS = {
         "ttft_gpu_load_s_1024 ttft_gpu_recompute_s_smol_1024 ttft_gpu_load_s_smol_1024 "
         "h2d_staged_vs_pinned_floor h2d_tier_gb_s e2e_recompute_s_1024 e2e_full_warm_vs_recompute_1024 "
         "e2e_full_cold_vs_recompute_1024 e2e_cold_read_vs_disk_1024 e2e_qa25_cold_vs_full_1024 "
-        "e2e_qa25_warm_vs_full_1024 e2e_store_vs_prefill_1024 e2e_full_warm_vs_recompute_smol_1024",
+        "e2e_qa25_warm_vs_full_1024 e2e_store_vs_prefill_1024 e2e_full_warm_vs_recompute_smol_1024 "
+        "e2e_qa25_cold_vs_recompute_1024 e2e_qa25_speculation_hit_rate_1024",
     ),
     "sglang": (
         "sglang_unavailable",
@@ -132,6 +136,7 @@ def test_vllm_load_summary_has_its_published_keys() -> None:
         "radix",
         "sglang",
         "layout",
+        "layers",
         "gpu",
         pytest.param("events", marks=pytest.mark.events),
         pytest.param("remote", marks=[pytest.mark.model, pytest.mark.redis]),

@@ -14,7 +14,9 @@ from bench.commands import BENCHMARKS, DTYPED, PLOTTED
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Every name `kvsieve bench` took when each benchmark was `bench/NAME_bench.py`: none may go.
-NAMES = "chaos dsl events gpu layers layout longdoc quality radix readamp remote sglang store transfer ttft vllm"
+NAMES = (
+    "chaos dsl events gpu layers layout longdoc quality radix readamp remote sglang store transfer ttft vllm"
+)
 
 
 def _source(module: str) -> Path:

@@ -133,20 +133,28 @@ def test_the_span_reader_fills_scattered_buffers_in_parallel(tmp_path: Path) -> 
     fd = os.open(path, os.O_RDONLY)
     reads = SpanReads(fd, threads=3)
     try:
-        out = np.zeros(64 * 100, np.uint8)
-        heads = [bytearray(7) for _ in range(32)]
-        spans = [(i * 4099, [memoryview(heads[i]), out[i * 100 : (i + 1) * 100].data]) for i in range(32)]
-        spans += [(len(data) - 10, [out[6000:6050].data])]  # past the end: a short read
-        done = reads.read(spans)
-        assert done[:32] == [107] * 32 and done[32] == 10
-        for i in range(32):
-            assert bytes(heads[i]) == data[i * 4099 : i * 4099 + 7].tobytes()
-            assert out[i * 100 : (i + 1) * 100].tobytes() == data[i * 4099 + 7 : i * 4099 + 107].tobytes()
+        for cold in (True, False):
+            if cold:  # out of the page cache: the pool reads it (clean pages can be dropped)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            before = reads.uncached
+            out = np.zeros(64 * 100, np.uint8)
+            heads = [bytearray(7) for _ in range(32)]
+            spans = [(i * 4099, [memoryview(heads[i]), out[i * 100 : (i + 1) * 100].data]) for i in range(32)]
+            spans += [(len(data) - 10, [out[6000:6050].data])]  # past the end: a short read
+            done = reads.read(spans)
+            assert done[:32] == [107] * 32 and done[32] == 10
+            for i in range(32):
+                assert bytes(heads[i]) == data[i * 4099 : i * 4099 + 7].tobytes()
+                assert out[i * 100 : (i + 1) * 100].tobytes() == data[i * 4099 + 7 : i * 4099 + 107].tobytes()
+            # cold: read waiting for the disk; warm: from the page cache on this thread (all but the
+            # short read at the end, which is not held whole)
+            assert reads.uncached - before > 16 if cold else reads.uncached == before + 1
     finally:
         reads.close()
         os.close(fd)
     with pytest.raises(OSError, match="closed"):
-        reads.read(spans)
+        reads.read(spans * 2)
 
 
 def _metas(store: TieredStore, toks: Array) -> list[Any]:

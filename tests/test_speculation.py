@@ -35,7 +35,19 @@ def lm():  # type: ignore[no-untyped-def]
 
 def _prefill(lm: Any, store: TieredStore, doc: list[int], question: list[int], chunks: int) -> Any:
     with torch.inference_mode(), store.open_layers(doc, model=lm.spec) as load:
-        return layered_prefill(lm.model, load, question, chunks)
+        return layered_prefill(lm.model, load, question, chunks, speculate=True)  # a GPU's default
+
+
+def test_the_cpu_guesses_nothing_unless_asked(lm: Any, tmp_path: Path) -> None:
+    config = StoreConfig(data_dir=tmp_path / "s", block_tokens=256, layout="layered")
+    doc = token_windows(lm.tokenizer, 512, 1)[0][1][:512]
+    question = lm.tokenizer.encode(QUESTION)
+    with TieredStore(config) as store:
+        store.store(doc, np.zeros(lm.spec.kv_shape(512), lm.spec.np_dtype), model=lm.spec)
+    with TieredStore(config) as store, torch.inference_mode(), store.open_layers(doc, model=lm.spec) as load:
+        assert load.reads_from_disk
+        out = layered_prefill(lm.model, load, question, 512 // 8 // 4)  # default: a guess costs a core
+    assert out.report.speculated_chunks == 0
 
 
 def test_a_cold_load_guesses_ahead_and_answers_as_the_warm_one(lm: Any, tmp_path: Path) -> None:

@@ -144,6 +144,7 @@ def layered_prefill(
     chunks: int,
     choose_with_last: int | None = CHOOSE_WITH_LAST,
     keep_summaries: bool = False,
+    speculate: bool | None = None,
 ) -> LayeredPrefill:
     """Compute `new_ids` (at positions matched_tokens..) over `chunks` chosen chunks per layer.
 
@@ -156,6 +157,8 @@ def layered_prefill(
             fewer); None = every new token's.
         keep_summaries: keep every layer's decoded summary (`LayeredPrefill.summaries`): the
             decode-time top-up scores with them instead of reading them again.
+        speculate: guess each next layer's chunks and have the disk read them ahead
+            (`NextLayerGuess`; only where the load reads from disk); None: on a GPU only.
 
     Raises:
         InvalidInputError: no new tokens, a prefix not a whole number of chunks, a bad
@@ -182,7 +185,9 @@ def layered_prefill(
                                  torch.zeros(shape, dtype=dtype, device=device))
                                 for _ in range(config.num_hidden_layers)])  # fmt: skip
     filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids), keep_summaries)
-    if isinstance(load, LocalLayeredLoad) and load.reads_from_disk:  # memory needs no read-ahead
+    if speculate is None:  # a guess costs a layer's scoring again: on a GPU, not on the CPU's cores
+        speculate = device.type != "cpu"
+    if speculate and isinstance(load, LocalLayeredLoad) and load.reads_from_disk:  # memory needs none
         filler.guess = NextLayerGuess(load, [layer.self_attn for layer in model.model.layers])
     handles = [
         layer.self_attn.register_forward_pre_hook(filler, with_kwargs=True) for layer in model.model.layers
@@ -251,13 +256,13 @@ class _LayerFiller:
         self.load_s += time.perf_counter() - t0
 
     def _summary(self, layer: int, device: torch.device) -> torch.Tensor:
-        """Layer `layer`'s key summaries on `device`, unpacked there from their packed codes where the
-        load has them (`device_keys`: one small copy to a GPU, a few whole-array ops; the same values
-        as the host's decoding), else decoded by the load."""
+        """Layer `layer`'s key summaries on `device`: on a GPU unpacked there from their packed codes
+        (`device_keys`: one small copy), on the CPU decoded by the load (on its reader thread, ahead:
+        a core the prefill's own thread does not need)."""
         if self._ahead is not None and self._ahead[0] == layer:  # read a layer early, to guess with
             return self._ahead[1]
         packed = getattr(self.load, "packed_summary", None)
-        if packed is not None:
+        if device.type != "cpu" and packed is not None:
             with contextlib.suppress(ValueError, InvalidInputError):  # unlike blocks: the host decodes
                 return device_keys(packed(layer), device)
         return torch.from_numpy(self.load.key_summary(layer)).to(device)

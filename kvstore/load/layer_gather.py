@@ -34,6 +34,7 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.format.layer_pack import table_bytes
 from kvstore.format.layer_record import LayerGeometry, LayerHeader, header_bytes, parse_header
 from kvstore.format.layered_block import chunks_match
+from kvstore.load.assemble import copy_pairs
 from kvstore.load.fetch import RecordFetcher
 from kvstore.load.read_packed import held_view
 from kvstore.model import ModelSpec
@@ -95,19 +96,21 @@ class PackPlace(NamedTuple):
 
 
 def gather_memory(places: Sequence[PackPlace | None], layer: int, runs: LayerRuns, out: Array) -> int:
-    """Copy `runs` of layer `layer` from memory into `out` (chunks, chunk_bytes) uint8; returns
-    the bytes copied. Every run's block must have a memory place."""
-    copied = 0
+    """Copy `runs` of layer `layer` from memory into `out` (chunks, chunk_bytes) uint8, in two
+    threads where there is enough (numpy lets go of the GIL for a large copy); returns the bytes
+    copied. Every run's block must have a memory place."""
+    pairs: list[tuple[Array, Array]] = []
     for block, first, count, slot in zip(
         runs.block.tolist(), runs.first.tolist(), runs.length.tolist(), runs.slot.tolist(), strict=True
     ):
         place = places[block]
         assert place is not None and place.memory is not None
         start = place.chunk_at(layer, first)
-        nbytes = count * place.chunk_bytes
-        out[slot : slot + count].reshape(-1)[:] = place.memory[start : start + nbytes]
-        copied += nbytes
-    return copied
+        pairs.append(
+            (out[slot : slot + count].reshape(-1), place.memory[start : start + count * place.chunk_bytes])
+        )
+    copy_pairs(pairs)
+    return sum(src.nbytes for _, src in pairs)
 
 
 class FileRead(NamedTuple):

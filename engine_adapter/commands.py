@@ -162,9 +162,15 @@ def _add_model_flags(p: argparse.ArgumentParser, no_store: bool = False, namespa
     )  # fmt: skip
 
 
+#: `generate`'s refusal of a prompt with no text (empty, or only spaces).
+EMPTY_PROMPT = "the prompt is empty: give the question to answer, e.g. kvsieve generate 'Hi'"
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine_adapter.runner import Engine, Sampling, load_model, resolve_device
 
+    if not args.prompt.strip():  # before the model loads: an empty question has no answer to wait for
+        raise InvalidInputError(EMPTY_PROMPT)
     sampling = Sampling(
         args.max_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop), args.no_repeat_ngram
     )

@@ -20,6 +20,7 @@ This module imports nothing but the standard library, so every layer may use it.
     │   └── RemoteUnavailableError              the remote tier is down or refused
     ├── DamagedStoreError                       a data directory's files are damaged
     ├── DataDirBusyError                        another process holds the data directory
+    ├── ListenError                             a server's address is in use or not listenable
     ├── FsckCannotRunError                      fsck could not check anything
     ├── UnauthenticatedError                    no valid bearer token
     ├── PermissionDeniedError                   the token does not grant the namespace
@@ -100,6 +101,10 @@ class DamagedStoreError(KVSieveError):
 
 class DataDirBusyError(KVSieveError):
     """Another process holds the data directory in a conflicting mode."""
+
+
+class ListenError(KVSieveError):
+    """A server cannot listen on its address: another process holds it, or it is not this machine's."""
 
 
 class FsckCannotRunError(KVSieveError):

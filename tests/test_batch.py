@@ -23,5 +23,5 @@ def test_kv_rows_pad_along_the_sequence_axis() -> None:
 
 
 def test_the_mask_covers_each_rows_tokens_and_the_new_ones() -> None:
-    assert padding_mask([3, 1]).tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert padding_mask([3, 1], extra=1).tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
+    assert padding_mask([3, 1], device="cpu").tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert padding_mask([3, 1], extra=1, device="cpu").tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]

@@ -50,6 +50,7 @@ def _run(engine, source: str, args: dict, limits: Limits | None = None) -> tuple
     return list(run.events()), run
 
 
+@pytest.mark.real_weights  # the answer names Paris
 def test_chatbot_example(engine, store: TieredStore) -> None:  # type: ignore[no-untyped-def]
     events, _ = _run(
         engine, (EXAMPLES / "chatbot.kvs").read_text(), {"question": "What is the capital of France?"}

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import kvsieve
+from conftest import RANDOM_WEIGHTS, kvsieve
 
 PRIMER = Path(__file__).parent.parent / "examples" / "kv-cache-primer.txt"
 
@@ -43,7 +43,9 @@ def test_verbose_generate_reports_the_delivered_fraction(tmp_path: Path) -> None
                      r"\(summaries ([\d.]+)%", second.stderr)  # fmt: skip
     assert line is not None, second.stderr
     delivered, read, summaries = (float(line.group(i)) for i in (1, 2, 3))
-    assert 15.0 <= delivered < 25.0 and read <= 26.6 and 5.0 < summaries < 8.0
+    # Random weights' answers top nothing up (no chunk passes theta): their delivered share lacks it.
+    assert RANDOM_WEIGHTS or delivered >= 15.0
+    assert delivered < 25.0 and read <= 26.6 and 5.0 < summaries < 8.0
     # auto: the store's coverage plan says how much, the queries which
     third = kvsieve(*args, "--budget", "auto", "--coverage", "0.5", timeout=600)
     assert third.returncode == 0, third.stderr[-2000:]

@@ -315,6 +315,7 @@ def test_the_engine_chooses_with_the_last_new_tokens_queries(
         assert state.cache.layers[layer].keys.shape[2] == report.chunks_per_layer * 8 + new
 
 
+@pytest.mark.real_weights  # what the question's queries choose, against the tail's, is the real attention's
 def test_choosing_with_the_question_not_the_documents_tail(
     lm: Any, doc: Any, long_doc: list[int], store: Any
 ) -> None:

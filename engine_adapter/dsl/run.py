@@ -252,7 +252,8 @@ class ProgramRun:
                 rows.append(self.engine.extend(ids[:-1], ctx.next_position, cache))
                 self.stats.prefill_tokens += len(ids) - 1
             logprobs = torch.log_softmax(torch.cat(rows).float(), dim=-1)
-            score = float(logprobs[torch.arange(len(ids)), torch.tensor(ids)].mean())
+            rows_at = torch.arange(len(ids), device=logprobs.device)
+            score = float(logprobs[rows_at, torch.tensor(ids, device=logprobs.device)].mean())
             if score > best_score:
                 best, best_score = option, score
         closing = self.engine.chat.answered(ctx.conversation, best)

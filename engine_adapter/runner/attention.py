@@ -36,48 +36,70 @@ class AttentionStats:
       mass favours early tokens: it measured no better than random here).
     - `history`: for each prefix token, how the new queries attended to it, each
       query's weights normalised over the prefix first (the "history" of real queries).
+
+    Each layer's scores stay on the device its attention ran on: a copy to the host per layer
+    would make the forward pass wait for the device at every layer. The first read of a
+    property averages the layers there and copies the three results to the host in one copy.
     """
 
     def __init__(self, num_prefix: int, num_layers: int) -> None:
         self.num_prefix = num_prefix
-        self.prefill_by_layer: list[np.ndarray[Any, Any] | None] = [None] * num_layers
-        self.raw_by_layer: list[np.ndarray[Any, Any] | None] = [None] * num_layers
-        self.history_by_layer: list[np.ndarray[Any, Any] | None] = [None] * num_layers
+        self.num_layers = num_layers
+        #: Per observed layer, on the attention's device: (raw mass, prefill scores, history or None).
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._host: tuple[np.ndarray[Any, Any], ...] | None = None
 
     def observe(self, layer: int, weights: torch.Tensor) -> None:
-        """Take one layer's weights (batch 1, heads, queries, keys)."""
+        """Take one layer's weights (batch 1, heads, queries, keys); nothing leaves their device."""
         w = weights[0].float().mean(dim=0)  # (queries, keys), averaged over heads
         p = self.num_prefix
         new = w[:, p:]
-        visible = torch.arange(new.shape[1], 0, -1, dtype=torch.float32)  # queries that see key j
+        # How many new queries see key j (causal: all from j on). Made where the weights are: a
+        # tensor made without a device lands on the CPU, and dividing a GPU tensor by it fails.
+        visible = torch.arange(new.shape[1], 0, -1, dtype=torch.float32, device=w.device)
         mass = new.sum(dim=0)
-        self.raw_by_layer[layer] = mass.cpu().numpy()
-        self.prefill_by_layer[layer] = (mass / visible).cpu().numpy()
+        history = None
         if p:
             prefix = w[:, :p]
-            per_query = prefix / prefix.sum(dim=1, keepdim=True).clamp_min(1e-12)
-            self.history_by_layer[layer] = per_query.mean(dim=0).cpu().numpy()
+            history = (prefix / prefix.sum(dim=1, keepdim=True).clamp_min(1e-12)).mean(dim=0)
+        self._layers[layer] = (mass, mass / visible, history)
+        self._host = None
 
     @property
     def prefill(self) -> np.ndarray[Any, Any]:
         """Prefill scores of the new tokens, averaged over layers."""
-        return _mean([x for x in self.prefill_by_layer if x is not None])
+        return self._on_host()[1]
 
     @property
     def prefill_raw(self) -> np.ndarray[Any, Any]:
         """Raw accumulated mass of the new tokens (the baseline), averaged over layers."""
-        return _mean([x for x in self.raw_by_layer if x is not None])
+        return self._on_host()[0]
 
     @property
     def history(self) -> np.ndarray[Any, Any]:
         """History scores of the prefix tokens, averaged over layers."""
-        return _mean([x for x in self.history_by_layer if x is not None])
+        return self._on_host()[2]
+
+    def _on_host(self) -> tuple[np.ndarray[Any, Any], ...]:
+        """(raw, prefill, history), each averaged over the observed layers on their device, then
+        brought to the host in one copy (the one place statistics leave the device)."""
+        if self._host is None:
+            layers = [self._layers[layer] for layer in sorted(self._layers)]
+            means = [_mean([scores[kind] for scores in layers]) for kind in range(3)]
+            sizes = [0 if m is None else int(m.numel()) for m in means]
+            parts = [m for m in means if m is not None]
+            joined = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, np.float32)
+            ends = np.cumsum(sizes)
+            self._host = tuple(
+                joined[end - size : end].astype(np.float32) for size, end in zip(sizes, ends, strict=True)
+            )
+        return self._host
 
 
-def _mean(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
-    if not arrays:
-        return np.zeros(0, np.float32)
-    return np.mean(np.stack(arrays), axis=0).astype(np.float32)
+def _mean(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The element-wise mean of the layers' tensors (None where no layer has one), on their device."""
+    present = [t for t in tensors if t is not None]
+    return torch.stack(present).mean(dim=0) if present else None
 
 
 def kvsieve_attention(
@@ -112,6 +134,7 @@ def _causal_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, like: torch
     """The additive mask, or a bottom-right causal one when transformers skipped it."""
     if mask is not None:
         return mask[:, :, :, :kv_len]
-    rows = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
-    allowed = torch.arange(kv_len).unsqueeze(0) <= rows
-    return torch.zeros(q_len, kv_len, dtype=like.dtype).masked_fill(~allowed, float("-inf"))
+    device = like.device
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
+    allowed = torch.arange(kv_len, device=device).unsqueeze(0) <= rows
+    return torch.zeros(q_len, kv_len, dtype=like.dtype, device=device).masked_fill(~allowed, float("-inf"))

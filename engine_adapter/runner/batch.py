@@ -27,13 +27,14 @@ def left_pad(rows: Sequence[torch.Tensor], dim: int, fill: float = 0) -> torch.T
     return batch
 
 
-def padding_mask(lengths: Sequence[int], extra: int = 0) -> torch.Tensor:
-    """The attention mask (batch, max length + extra) of left-padded rows of these lengths.
+def padding_mask(lengths: Sequence[int], extra: int = 0, *, device: torch.device | str) -> torch.Tensor:
+    """The attention mask (batch, max length + extra) of left-padded rows of these lengths, on
+    `device` (the model's: no default, a mask left on the CPU fails a model on a GPU).
 
     1 on each row's own tokens and on `extra` new positions after the widest row, 0 on padding.
     """
     width = max(lengths)
-    mask = torch.zeros(len(lengths), width + extra, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width + extra, dtype=torch.long, device=device)
     for row, length in enumerate(lengths):
         mask[row, width - length :] = 1
     return mask

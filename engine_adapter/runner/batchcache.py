@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine_adapter.runner.batch import padding_mask
-from engine_adapter.runner.cache import cache_from
+from engine_adapter.runner.cache import cache_from, cache_kwargs
 
 #: Per layer (keys, values) of one row, (1, heads, length, dim).
 RowKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -155,11 +155,12 @@ class BatchCache:
             raise ValueError(f"step got {len(tokens)} tokens for {len(self._keys)} rows")
         if self.width + 1 > self._capacity:  # a row outgrew its reserve: grow once, for many steps
             self._rebuild([(self._row_kv(i), n) for i, n in enumerate(self._lengths)], max(64, self.width))
+        device = self._layers[0].key_buffer.device  # the rows' own: where the model computes
         out = model(
-            input_ids=torch.tensor(list(tokens)).unsqueeze(1),
-            attention_mask=padding_mask(self._lengths, extra=1),  # and the new token of every row
-            position_ids=torch.tensor(list(positions)).unsqueeze(1),
-            past_key_values=self._cache, use_cache=True,
+            input_ids=torch.tensor(list(tokens), device=device).unsqueeze(1),
+            attention_mask=padding_mask(self._lengths, extra=1, device=device),  # and every row's new token
+            position_ids=torch.tensor(list(positions), device=device).unsqueeze(1),
+            **cache_kwargs(model, self._cache),
         )  # fmt: skip
         self._lengths = [n + 1 for n in self._lengths]
         self.stats.steps += 1
@@ -203,8 +204,9 @@ class BatchCache:
         first = entries[0][0]
         layers = []
         for index in range(len(first)):
-            heads, dim = first[index][0].shape[1], first[index][0].shape[3]
-            keys = torch.zeros(len(entries), heads, capacity, dim, dtype=self._dtype)
+            like = first[index][0]  # the buffers go where the rows' KV is (the model's device)
+            heads, dim = like.shape[1], like.shape[3]
+            keys = torch.zeros(len(entries), heads, capacity, dim, dtype=self._dtype, device=like.device)
             values = torch.zeros_like(keys)
             for row, (kv, length) in enumerate(entries):
                 keys[row, :, width - length : width].copy_(kv[index][0][0])

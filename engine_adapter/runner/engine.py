@@ -322,9 +322,8 @@ class Engine:
 
         pad = self.lm.tokenizer.pad_token_id or 0
         device = self.lm.device
-        input_ids = left_pad([torch.tensor(row, dtype=torch.long) for row in rows], dim=0, fill=pad)
-        input_ids = input_ids.to(device)
-        mask = padding_mask([len(row) for row in rows]).to(device)
+        input_ids = left_pad([torch.tensor(row, dtype=torch.long, device=device) for row in rows], 0, pad)
+        mask = padding_mask([len(row) for row in rows], device=device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.lm.model.config)  # ours: the output's name for it changed too
         out = self.lm.model(

@@ -12,7 +12,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,10 +175,15 @@ def _converted_default(quiet: bool) -> Path:
         del model.hf_quantizer
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # workers may convert at once
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: a killed conversion never leaves a half model behind
+    try:
+        partial.rename(target)  # atomic: a killed conversion never leaves a half model behind
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            raise
+        shutil.rmtree(partial)  # another process converted it first: the same weights
     if not quiet:
         print("kvsieve: conversion done", file=sys.stderr)
     return target
@@ -215,7 +222,9 @@ def _weights_digest(source: Path) -> str:
         digest.update(_file_digest(f).encode())
     known[str(source.resolve())] = {"stamp": stamp, "digest": digest.hexdigest()}
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
+    # A temporary file of this process and thread's own: test workers (xdist) load the model at
+    # once, and with one shared name the first rename left the others none to rename.
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(known))
     tmp.replace(cache)
     return digest.hexdigest()

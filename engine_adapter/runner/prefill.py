@@ -215,7 +215,7 @@ def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None
             upload = transfer.upload(kv, order, lm.dtype, owner=closing.pop_all())
             timings.load_s = time.perf_counter() - t0
             return Loaded(positions, cache_from(lm.model.config, upload.pairs), covered, upload)
-        positions, tensor = cache_tensor(positions, kv, lm.dtype)
+        positions, tensor = cache_tensor(positions, kv, lm.dtype, lm.device)
     cache = cache_from(lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in tensor])
     timings.load_s = time.perf_counter() - t0
     return Loaded(positions, cache, covered)
@@ -352,10 +352,10 @@ def position_order(positions: np.ndarray[Any, Any]) -> tuple[Any, np.ndarray[Any
 
 
 def cache_tensor(
-    positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any], dtype: torch.dtype = torch.float32
+    positions: np.ndarray[Any, Any], kv: np.ndarray[Any, Any], dtype: torch.dtype, device: torch.device
 ) -> tuple[Any, torch.Tensor]:
-    """Loaded KV (layers, 2, heads, n, dim) in `dtype` (the model's) in position order: the one dtype
-    conversion, into a preallocated tensor; a reorder copy only if out of position order.
+    """Loaded KV (layers, 2, heads, n, dim) in `dtype` on `device` (the model's) in position order:
+    the one dtype conversion, into a preallocated tensor; a reorder copy only if out of position order.
 
     `kv` may be a read-only view of shared memory: it is only read here.
     """
@@ -366,6 +366,6 @@ def cache_tensor(
         order = np.argsort(positions, kind="stable")
         positions = positions[order]
         source = source.index_select(3, torch.from_numpy(order))
-    out = torch.empty(source.shape, dtype=dtype)
+    out = torch.empty(source.shape, dtype=dtype, device=device)
     out.copy_(source)
     return positions, out

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -38,6 +40,9 @@ MISSING_PLUGINS = (
     "no command plugins are installed (entry-point group kvsieve.commands): generate, run, "
     "engine and bench come from there. Reinstall kvsieve (pip install -e .) to write them."
 )
+#: The exit code of a command whose reader went away (`kvsieve stats | head`): what a shell reports
+#: for a process that SIGPIPE ended (128 + 13), as `yes | head` does.
+EXIT_PIPE_CLOSED = 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,12 +51,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is the BrokenPipeError below
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # some other pipe or socket: a real error, with its traceback
+        # Python ignores SIGPIPE (a socket's reader going away must not kill a server), so a closed
+        # stdout is an exception: end quietly, as a command SIGPIPE ended would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return EXIT_PIPE_CLOSED
     except (ValueError, FileNotFoundError, KVSieveError) as exc:
         print(f"kvsieve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _parser() -> argparse.ArgumentParser:

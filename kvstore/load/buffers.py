@@ -123,7 +123,8 @@ class StagingPool:
     def _allocate(self, capacity: int) -> Any:
         import torch
 
-        buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
+        # Host memory by name: a default device set elsewhere (torch.set_default_device) must not move it.
+        buffer = torch.empty(capacity, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
         self.allocations += 1
         self.pooled_bytes += capacity
         return buffer

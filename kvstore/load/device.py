@@ -36,7 +36,7 @@ def to_device(kv: Array, device: str = "cuda") -> Any:
     if device == "cpu" or not cuda_available():
         return as_tensor(np.array(kv))  # owns its data: the arena may be reused
     host = as_tensor(np.ascontiguousarray(kv)) if kv.flags.writeable else as_tensor(np.array(kv))
-    staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staging = torch.empty(host.shape, dtype=host.dtype, device="cpu", pin_memory=True)
     staging.copy_(host)
     return staging.to(device, non_blocking=True)
 

@@ -28,7 +28,7 @@ from kvstore.model import numpy_dtype
 from kvstore.rpc.channel import channel_options
 from kvstore.server.batch_wire import serialize_load_response
 from kvstore.server.config import ServerConfig
-from kvstore.server.listen import bind
+from kvstore.server.listen import bind, check_free
 from kvstore.server.metrics import EventsCollector, Metrics
 from kvstore.server.servicer import KVCacheServicer
 from kvstore.store.deferred import encode_on_one_thread
@@ -67,7 +67,14 @@ class RunningServer:
 
 
 async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServer:
-    """Open the store and start serving. The caller stops it with `RunningServer.stop`."""
+    """Open the store and start serving. The caller stops it with `RunningServer.stop`.
+
+    Raises:
+        ListenError: an address (`listen`, `metrics_listen`) is in use: checked before the store opens.
+    """
+    check_free(config.listen, "--listen")
+    if config.metrics_listen:
+        check_free(config.metrics_listen, "--metrics-listen")
     store = TieredStore(store_config)
     try:
         kv_events = _start_kv_events(config, store)
@@ -86,7 +93,13 @@ async def start(config: ServerConfig, store_config: StoreConfig) -> RunningServe
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = bind(server, config)
+    try:
+        address = bind(server, config)
+    except BaseException:  # taken since the check: nothing may stay open behind the refusal
+        if kv_events is not None:
+            kv_events.close()
+        store.close()
+        raise
     await server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

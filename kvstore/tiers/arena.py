@@ -139,7 +139,7 @@ class HostArena:
         if self.pin:
             import torch
 
-            owner = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            owner = torch.empty(num_bytes, dtype=torch.uint8, device="cpu", pin_memory=True)
             segment: Array = owner.numpy()
         else:
             owner = segment = np.empty(num_bytes, np.uint8)

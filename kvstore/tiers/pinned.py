@@ -39,7 +39,7 @@ def host_buffer(data: bytes | memoryview, pinned: bool) -> np.ndarray[Any, Any]:
     if pinned and cuda_available():
         import torch
 
-        out = torch.empty(src.size, dtype=torch.uint8, pin_memory=True).numpy()
+        out = torch.empty(src.size, dtype=torch.uint8, device="cpu", pin_memory=True).numpy()
         out[:] = src
     else:
         out = src.copy()

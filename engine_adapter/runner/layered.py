@@ -157,8 +157,7 @@ def layered_prefill(
             fewer); None = every new token's.
         keep_summaries: keep every layer's decoded summary (`LayeredPrefill.summaries`): the
             decode-time top-up scores with them instead of reading them again.
-        speculate: guess each next layer's chunks and have the disk read them ahead
-            (`NextLayerGuess`; only where the load reads from disk); None: on a GPU only.
+        speculate: guess each next layer's chunks, for the disk to read ahead (`_guess`).
 
     Raises:
         InvalidInputError: no new tokens, a prefix not a whole number of chunks, a bad
@@ -178,17 +177,13 @@ def layered_prefill(
         config.num_key_value_heads,
         getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads),
     )
-    weight = next(model.parameters())
-    dtype, device = weight.dtype, weight.device
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     shape = (1, heads, chunks * chunk, dim)
     cache = cache_from(config, [(torch.zeros(shape, dtype=dtype, device=device),
                                  torch.zeros(shape, dtype=dtype, device=device))
                                 for _ in range(config.num_hidden_layers)])  # fmt: skip
     filler = _LayerFiller(load, cache, chunks, query_tokens, len(new_ids), keep_summaries)
-    if speculate is None:  # a guess costs a layer's scoring again: on a GPU, not on the CPU's cores
-        speculate = device.type != "cpu"
-    if speculate and isinstance(load, LocalLayeredLoad) and load.reads_from_disk:  # memory needs none
-        filler.guess = NextLayerGuess(load, [layer.self_attn for layer in model.model.layers])
+    filler.guess = _guess(model, load, device.type != "cpu" if speculate is None else speculate)
     handles = [
         layer.self_attn.register_forward_pre_hook(filler, with_kwargs=True) for layer in model.model.layers
     ]
@@ -202,6 +197,14 @@ def layered_prefill(
         for handle in handles:
             handle.remove()
     return LayeredPrefill(out.logits, cache, filler.report(), filler.summaries)
+
+
+def _guess(model: Any, load: LayeredLoad, speculate: bool) -> NextLayerGuess | None:
+    """A `NextLayerGuess` where asked for and the load reads from disk (memory needs no read-ahead).
+    By default on a GPU only: a guess costs a layer's scoring again, cheap there, a core's time here."""
+    if speculate and isinstance(load, LocalLayeredLoad) and load.reads_from_disk:
+        return NextLayerGuess(load, [layer.self_attn for layer in model.model.layers])
+    return None
 
 
 class _LayerFiller:

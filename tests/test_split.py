@@ -1,4 +1,5 @@
-"""How much of a cached prefix to load and how much to compute (engine_adapter/runner/costs.py), and
+"""How much of a cached prefix to load and how much to compute, on estimates alone (engine_adapter/
+runner/costs.py and choice.py; what measurements change: tests/test_choice.py), and
 the split itself (engine_adapter/runner/split.py): the head computed while the tail loads, on the
 CPU with the staged device path, a random Llama of a small shape and a real store."""
 
@@ -10,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine_adapter.runner.choice import choose
 from engine_adapter.runner.costs import CostModel, Rates
 from engine_adapter.runner.device import KVTransfer
 from engine_adapter.runner.engine import Engine
 from engine_adapter.runner.model import LoadedModel, random_llama, spec_from_config
+from engine_adapter.runner.plans import Request
 from kvstore.config import StoreConfig
 from kvstore.store.tiered import TieredStore
 
@@ -30,32 +33,37 @@ def _gpu_like(disk_gb_s: float, tokens_s: float) -> CostModel:
     return costs
 
 
+def _at(prefix: int, memory_fraction: float, query_aware: float | None = None) -> Request:
+    """A request of `prefix` cached tokens (8B-shaped KV) and a 64-token question."""
+    return Request(prefix + 64, prefix, memory_fraction, TOKEN_BYTES, BLOCK, query_aware=query_aware)
+
+
 def test_a_fast_disk_loads_everything() -> None:
-    plan = _gpu_like(200.0, 32_000).plan(4096, 64, TOKEN_BYTES, BLOCK, memory_fraction=0.0)
-    assert plan.kind == "full" and plan.load_tokens == 4096 and "full load" in plan.reason
+    plan = choose(_gpu_like(200.0, 32_000), _at(4096, memory_fraction=0.0))
+    assert plan.kind == "full" and plan.load_tokens == 4096 and "full" in plan.reason
 
 
 def test_a_slow_disk_computes_the_head_while_the_tail_loads() -> None:
     costs = _gpu_like(1.7, 32_000)  # the H200 machine's disk against an 8B model in fp16
-    plan = costs.plan(4096, 64, TOKEN_BYTES, BLOCK, memory_fraction=0.0)
+    plan = choose(costs, _at(4096, memory_fraction=0.0))
     assert plan.kind == "split" and plan.compute_tokens % BLOCK == 0 and 0 < plan.load_tokens < 4096
     assert plan.estimate_s < min(plan.recompute_s, plan.full_s)
     # balanced: the head's compute and the tail's read take about as long
     assert costs.compute_s(plan.compute_tokens) == pytest.approx(
         costs.read_s("disk", plan.load_tokens * TOKEN_BYTES), rel=0.35
     )
-    assert "while the other" in plan.reason
+    assert plan.reason.startswith("split ") and "nothing measured here yet" in plan.reason
 
 
 def test_memory_makes_loading_win_and_a_very_fast_device_recomputes() -> None:
-    warm = _gpu_like(1.7, 32_000).plan(4096, 64, TOKEN_BYTES, BLOCK, memory_fraction=1.0)
+    warm = choose(_gpu_like(1.7, 32_000), _at(4096, memory_fraction=1.0))
     assert warm.kind == "full"
-    fast = _gpu_like(0.05, 10_000_000).plan(4096, 64, TOKEN_BYTES, BLOCK, memory_fraction=0.0)
+    fast = choose(_gpu_like(0.05, 10_000_000), _at(4096, memory_fraction=0.0))
     assert fast.kind == "recompute" and fast.compute_tokens == 4096
 
 
 def test_until_measured_loads_win_and_the_fit_finds_the_attention_term() -> None:
-    assert CostModel().plan(4096, 64, TOKEN_BYTES, BLOCK, memory_fraction=0.0).kind == "full"
+    assert choose(CostModel(), _at(4096, memory_fraction=0.0)).kind == "full"
     costs = CostModel(Rates())
     per_token, per_pair = 2e-5, 1e-9
     for n, start in ((512, 0), (4096, 0), (64, 8192), (16384, 0)):
@@ -102,13 +110,14 @@ def test_the_split_gives_the_full_loads_answer(tmp_path: Path, forced: str) -> N
 
 def test_query_aware_is_chosen_on_a_device_only_where_it_was_measured_faster() -> None:
     costs = _gpu_like(1.7, 32_000)
-    args = (16384, 64, TOKEN_BYTES, BLOCK, 1.0)
-    assert not costs.query_aware_pays(*args)  # never measured: a full load (exact) it is
+    request = _at(16384, memory_fraction=1.0, query_aware=0.25)
+    assert choose(costs, request).kind == "full"  # never measured: a full load (exact) it is
     costs.observe_layered(16384, 2.33)  # what the H200 measured at 16k, 8B shape
-    assert not costs.query_aware_pays(*args)
+    assert choose(costs, request).kind == "full"
     fast = _gpu_like(1.7, 32_000)
     fast.observe_layered(16384, 0.01)
-    assert fast.query_aware_pays(*args)
+    plan = choose(fast, request)
+    assert plan.kind == "query-aware" and plan.option.budget == 0.25 and plan.load_tokens == 16384
 
 
 def test_a_corrupt_tail_block_is_computed_instead(tmp_path: Path) -> None:

@@ -2,11 +2,12 @@
 
 Its modules, by role: `model` (loading SmolLM2 or any Llama shape, `--dtype`), `engine`
 (`Engine`, the facade: generate, prefill, decode, score), `prefill` with `layered`,
-`layered_policy`, `topup` and `split` (the ways a prefix is loaded and computed on), `costs`
-(how much of a prefix to load and to compute, from this device's measured rates), `device` and
-`upload` (how loaded KV reaches the model's device), `saver` (new blocks stored off the
-request), `cache`, `batchcache`, `array_layers` and `attention` (the model's KV and attention
-hooks), `decode`, `sampling`, `chat` and `batch` (turning logits into answers).
+`layered_policy`, `topup` and `split` (the ways a prefix is loaded and computed on), `choice`
+with `plans`, `costs`, `measured` and `disk_probe` (which of those ways a request runs, from what
+each measured on this device), `device` and `upload` (how loaded KV reaches the model's device),
+`saver` (new blocks stored off the request), `cache`, `batchcache`, `array_layers` and
+`attention` (the model's KV and attention hooks), `decode`, `sampling`, `chat` and `batch`
+(turning logits into answers).
 
 This package's face is the names below: the integrations above it (the DSL, the vLLM
 connector, SGLang's storage), the engine server and the commands import the runner through
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from engine_adapter.runner.batchcache import BatchCache as BatchCache
     from engine_adapter.runner.cache import share_cache as share_cache
     from engine_adapter.runner.chat import Conversation as Conversation
-    from engine_adapter.runner.costs import SplitPlan as SplitPlan
+    from engine_adapter.runner.choice import SplitPlan as SplitPlan
     from engine_adapter.runner.decode import Completion as Completion
     from engine_adapter.runner.decode import Sampler as Sampler
     from engine_adapter.runner.device import resolve_device as resolve_device
@@ -54,7 +55,7 @@ FACE = {
     "BatchCache": "batchcache",
     "share_cache": "cache",
     "Conversation": "chat",
-    "SplitPlan": "costs",
+    "SplitPlan": "choice",
     "Completion": "decode",
     "Sampler": "decode",
     "resolve_device": "device",

@@ -17,8 +17,8 @@ decode loops and the scoring here.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,11 +28,14 @@ from engine_adapter.runner.attention import AttentionStats
 from engine_adapter.runner.batch import left_pad, padding_mask
 from engine_adapter.runner.cache import cache_kwargs
 from engine_adapter.runner.chat import ChatFormat
-from engine_adapter.runner.costs import CostModel, SplitPlan
+from engine_adapter.runner.choice import SplitPlan, choose, query_aware_fraction, request_for
+from engine_adapter.runner.costs import CostModel
 from engine_adapter.runner.decode import Completion, Sampler
 from engine_adapter.runner.device import KVTransfer
+from engine_adapter.runner.disk_probe import start_disk_probe
 from engine_adapter.runner.layered import CHOOSE_WITH_LAST, LayeredReport, check_choose_with_last
 from engine_adapter.runner.model import LoadedModel
+from engine_adapter.runner.plans import FULL, QUERY_AWARE, RECOMPUTE, SPLIT, Option, Request
 from engine_adapter.runner.prefill import (
     Prefill,
     Timings,
@@ -44,12 +47,11 @@ from engine_adapter.runner.prefill import (
 )
 from engine_adapter.runner.sampling import Sampling
 from engine_adapter.runner.saver import BackgroundSaver
-from engine_adapter.runner.split import memory_fraction, prefill_split
+from engine_adapter.runner.split import prefill_split
 from engine_adapter.runner.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.load.device import as_array, torch_dtype
-from kvstore.store.tiered import TieredStore
 
 Messages = Sequence[dict[str, str]]
 
@@ -90,13 +92,15 @@ class Engine:
             on a device (on the CPU the store competes for the same cores: it is made in line).
             A request's `stored_blocks` then counts the blocks it queued.
         split: on a device, let the cost model choose how much of a cached prefix to load and how
-            much to compute meanwhile (engine_adapter/runner/costs.py); False: load all of it.
-        costs: the cost model (its rates measured on this device), e.g. shared by engines of one
-            model; default a new one.
+            much to compute meanwhile (engine_adapter/runner/choice.py); False: load all of it.
+        costs: the cost model (its rates, fixed costs and each plan's measured time on this
+            device), e.g. shared by engines of one model; default a new one. On a device every
+            request's plan and time are recorded in it, whether the engine chose or was told.
         query_aware: at a partial budget, choose each layer's chunks by the question's queries:
             None = on the CPU whenever the layered policy allows, on a device only where the cost
             model measured it faster than a full load (else the whole prefix is loaded: exact, and
             faster); True = whenever the policy allows; False = never.
+        clock: seconds, for what each request's plan took (tests inject the time a plan takes).
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class Engine:
         split: bool = True,
         costs: CostModel | None = None,
         query_aware: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.lm = lm
         self.transfer = transfer if transfer is not None else KVTransfer(lm.device)
@@ -135,6 +140,9 @@ class Engine:
         self.split, self.query_aware = split, query_aware
         #: The cost model's choice for the last prefill (None where it did not choose).
         self.last_split: SplitPlan | None = None
+        self.clock = clock
+        if self.transfer.staged:  # the disk's rate, before the first cold request needs it
+            start_disk_probe(self.costs, store)
 
     # -- prompts ------------------------------------------------------------------
 
@@ -165,52 +173,67 @@ class Engine:
         """`prefill`, its store possibly still pending (`Prefill.pending_store`).
 
         The paths themselves are engine_adapter/runner/prefill.py's: layer by layer when its
-        policy says so, else the prefix loaded in one call.
+        policy says so, else the prefix loaded in one call. On a device the cost model chooses
+        among them (engine_adapter/runner/choice.py) and learns what the one run took.
         """
         timings = Timings()
-        self.last_load = self.last_layered = None
+        self.last_load = self.last_layered = self.last_split = None
         self.transfer.last_error = ""
-        if self._query_aware(ids, budget):
+        t0 = self.clock()
+        request = self._request(ids, budget)
+        if request is not None and request.prefix_tokens and (request.split or request.query_aware):
+            self.last_split = choose(self.costs, request)
+        state, ran = self._run(ids, budget, request, timings)
+        if request is not None and ran is not None:
+            synchronize(self.lm.device)  # the answer's first step waits for these logits anyway
+            self.costs.record(ran, request, self.clock() - t0)
+        return state
+
+    def _run(
+        self, ids: Sequence[int], budget: Budget, request: Request | None, timings: Timings
+    ) -> tuple[Prefill, Option | None]:
+        """Run the chosen plan (`last_split`), or the path this engine is set to; what ran."""
+        plan = self.last_split
+        if self._layered_first(plan):
             t0 = time.perf_counter()
             if (layered := prefill_layered(self, ids, budget, timings)) is not None:
                 synchronize(self.lm.device)
                 self.costs.observe_layered(layered.matched_tokens, time.perf_counter() - t0)
-                return layered
-        elif self.transfer.staged and budget != 1.0:
+                if plan is not None:
+                    return layered, plan.option
+                qa = query_aware_fraction(budget)
+                return layered, None if qa is None else Option(QUERY_AWARE, budget=qa)
+            if plan is not None and request is not None:  # the policy refused: the best of the rest
+                self.last_split = plan = choose(self.costs, replace(request, query_aware=None))
+        if self.transfer.staged and budget != 1.0 and self.query_aware is not True:
             budget = 1.0  # the cost model says choosing cannot pay: the whole prefix, exact
-        self.last_split = plan = self._split_plan(ids, budget)
-        if plan is not None and plan.kind == "recompute":
-            return recompute(self, ids, timings)
-        if plan is not None and plan.kind == "split":
-            return prefill_split(self, ids, plan, timings)
-        return prefill_static(self, ids, budget, timings)
+        if plan is not None and plan.kind == RECOMPUTE:
+            return recompute(self, ids, timings), plan.option
+        if plan is not None and plan.kind == SPLIT:
+            return prefill_split(self, ids, plan, timings), plan.option
+        state = prefill_static(self, ids, budget, timings)
+        if plan is not None:  # filed under the choice, whatever befell it (a failed copy recomputes)
+            return state, plan.option
+        if not state.loaded_tokens:  # nothing cached, or nothing loaded: the prompt was computed
+            return state, Option(RECOMPUTE)
+        return state, Option(FULL) if budget == 1.0 else None
 
-    def _query_aware(self, ids: Sequence[int], budget: Budget) -> bool:
+    def _layered_first(self, plan: SplitPlan | None) -> bool:
         """Whether to try the layer-by-layer path (its policy may still refuse: see `query_aware`)."""
         if self.query_aware is not None or not self.transfer.staged:
             return self.query_aware is not False
-        store = self.store
-        if not isinstance(store, TieredStore) or budget == 1.0 or len(ids) < 2:
-            return False
-        prefix, in_memory = memory_fraction(store, ids[:-1], self.lm.spec, self.namespace)
-        block = store.info.block_tokens or max(prefix, 1)
-        return prefix > 0 and self.costs.query_aware_pays(
-            prefix, len(ids) - prefix, self.lm.spec.token_bytes, block, in_memory
-        )
+        return plan is not None and plan.kind == QUERY_AWARE
 
-    def _split_plan(self, ids: Sequence[int], budget: Budget) -> SplitPlan | None:
-        """The cost model's choice for a full load on a device from the embedded store (None where
-        it does not choose: the CPU, a sidecar, a partial budget, nothing cached)."""
-        store = self.store
-        if not (self.split and self.transfer.staged and isinstance(store, TieredStore)):
+    def _request(self, ids: Sequence[int], budget: Budget) -> Request | None:
+        """Where the request stands, on a device (where the engine chooses and learns); else None."""
+        if not self.transfer.staged:
             return None
-        if budget != 1.0 or len(ids) < 2:
-            return None
-        prefix, in_memory = memory_fraction(store, ids[:-1], self.lm.spec, self.namespace)
-        if not prefix:
-            return None
-        block = store.info.block_tokens or prefix
-        return self.costs.plan(prefix, len(ids) - prefix, self.lm.spec.token_bytes, block, in_memory)
+        qa = query_aware_fraction(budget) if self.query_aware is None else None
+        split = self.split and (budget == 1.0 or self.query_aware is not True)  # forced: no choice
+        request = request_for(self.store, ids, self.lm.spec, self.namespace, split=split, query_aware=qa)
+        if request.memory_fraction < 1.0:  # a cold prefix: the disk's rate matters now
+            start_disk_probe(self.costs, self.store)
+        return request
 
     def finish_store(self, state: Prefill) -> None:
         """Complete `state`'s pending store, if any: queued on the saver (its blocks counted as

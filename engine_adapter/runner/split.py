@@ -1,5 +1,5 @@
 """A prefill that computes the head of a cached prefix while its tail loads (engine_adapter/runner/
-costs.py chooses where): `prefill_split`.
+choice.py chooses where): `prefill_split`.
 
 The tail's blocks are read on a thread of their own (from disk: the slow part), while this thread
 queues the head's forward pass on the device; then the tail goes to the device from where the store
@@ -15,17 +15,42 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine_adapter.runner.attention import AttentionStats
 from engine_adapter.runner.cache import cache_from, empty_cache
-from engine_adapter.runner.costs import SplitPlan
+from engine_adapter.runner.choice import SplitPlan
 from engine_adapter.runner.prefill import Prefill, PrefillEngine, Timings, forward, report_history, store_new
 from kvstore.load.buffers import StagingError
 from kvstore.load.read_packed import PackView
 from kvstore.load.stream import LocalLoadStream
 from kvstore.store.tiered import TieredStore
+
+
+class DeviceTimer:
+    """Seconds of the device's work between construction and `stop`, read once it is done: CUDA
+    events on a GPU (nothing waits in between), the clock on the CPU (where work is synchronous)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        self._t0, self._seconds = time.perf_counter(), 0.0
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        """The end of the timed work (queued after it, on a GPU)."""
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        """The timed work's seconds (on a GPU, waits for it to finish)."""
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()
+        return float(self._events[0].elapsed_time(self._events[1])) / 1e3
 
 
 class _TailReader:
@@ -63,7 +88,9 @@ def prefill_split(engine: PrefillEngine, ids: Sequence[int], plan: SplitPlan, ti
     engine.last_load = stream
     reader = _TailReader(stream)
     cache = empty_cache(lm.model.config)
+    head_timer = DeviceTimer(lm.device)
     forward(lm, ids[:head], 0, cache, None, last_only=True)  # queued while the tail is read
+    head_timer.stop()
     views = reader.join()
     if reader.error is not None:  # the tail is computed instead (a block lost or corrupt on the way)
         engine.transfer.last_error = f"reading the prefix's tail failed: {reader.error}"
@@ -85,6 +112,9 @@ def prefill_split(engine: PrefillEngine, ids: Sequence[int], plan: SplitPlan, ti
     loaded = covered - head if views else 0
     state = Prefill(cache, logits[0, -1], len(ids), covered, loaded, len(ids) - loaded, timings=timings)
     state.pending_store = store_new(engine, ids, covered, cache, stats)
+    # A prefill of `head` tokens from scratch: what recomputing costs, seen at a length that the
+    # question's few tokens never show (a GPU computes a long batch far faster per token).
+    engine.costs.observe_prefill(head, 0, head_timer.seconds())
     if stats is not None and covered:
         report_history(engine, ids[:covered], stats)
     return state
@@ -116,9 +146,3 @@ def _question(
     cache = cache_from(lm.model.config, [(t[0].unsqueeze(0), t[1].unsqueeze(0)) for t in whole])
     with upload.attached(lm.model):
         return forward(lm, ids[covered:], covered, cache, stats, last_only=True), cache
-
-
-def memory_fraction(store: TieredStore, ids: Sequence[int], model: Any, namespace: str) -> tuple[int, float]:
-    """(prefix tokens matched, share of their blocks the memory tier holds)."""
-    found = store.lookup(np.asarray(ids), model=model, namespace=namespace)
-    return int(found.num_tokens), (found.memory_blocks / found.num_blocks if found.num_blocks else 1.0)

@@ -137,7 +137,9 @@ def request_for(
     """
     if not isinstance(store, TieredStore) or len(ids) < 2:
         return Request(len(ids), token_bytes=model.token_bytes)
-    prefix, in_memory = memory_fraction(store, ids[:-1], model, namespace)
+    # All but the last token (computed whatever is cached): read off the list, not sliced and then
+    # converted (a 32k-token prompt's list costs 0.7 ms to convert, as much as the rest together).
+    prefix, in_memory = memory_fraction(store, np.fromiter(ids, np.int64, len(ids) - 1), model, namespace)
     block = store.info.block_tokens or max(prefix, 1)
     qa = query_aware if prefix else None
     return Request(len(ids), prefix, in_memory, model.token_bytes, block, split, qa)
@@ -152,7 +154,9 @@ def query_aware_fraction(budget: Budget) -> float | None:
     return None
 
 
-def memory_fraction(store: TieredStore, ids: Sequence[int], model: Any, namespace: str) -> tuple[int, float]:
+def memory_fraction(
+    store: TieredStore, ids: Sequence[int] | np.ndarray[Any, Any], model: Any, namespace: str
+) -> tuple[int, float]:
     """(prefix tokens matched, share of their blocks the memory tier holds)."""
     found = store.lookup(np.asarray(ids), model=model, namespace=namespace)
     return int(found.num_tokens), (found.memory_blocks / found.num_blocks if found.num_blocks else 1.0)

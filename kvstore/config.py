@@ -34,8 +34,11 @@ class StoreConfig:
             answers is enough to find the rest. Set instead of remote_url for cluster mode.
         remote_prefix: prefix of every remote key (deployments sharing a server use distinct ones).
         remote_timeout_s: socket timeout of every remote call, in seconds (0 < t <= 60).
-        remote_write_behind: queue remote writes on a background worker (a Store returns
-            once local tiers hold the block); false writes them before Store returns.
+        remote_write_behind: queue remote writes on a background worker; false writes each
+            block where it is handed over. Either way after the local disk has it: by the disk
+            writer after its group commit (a Store has returned by then), or, where a Store
+            writes the disk itself (`sync_stores`, no disk, blocks memory cannot hold), by the
+            Store, which with false then returns after Redis has the block.
         remote_queue_bytes: bytes of blocks waiting for the remote tier; beyond, blocks are
             dropped (counted in remote.queue_drops), never waited for.
         remote_drain_s: seconds closing the store waits for queued remote writes.

@@ -63,7 +63,9 @@ PUBLISHED = {
     )
     + " layered_path_engine_1024_0_25 topup_fraction_engine_1024_0_25",
     "gpu": "cuda_available cpu_bare_copy_gb_s cpu_staged_copy_gb_s cpu_staged_vs_bare "
-    "cpu_pool_allocations_after_warmup",
+    "cpu_pool_allocations_after_warmup cpu_seq_split_cold_vs_best_tiny_512 "
+    "cpu_seq_split_warm_vs_best_tiny_512 cpu_seq_split_cold_first_vs_best_tiny_512 "
+    "cpu_seq_qa25_auto_warm_vs_full_tiny_512",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches ttft_kvsieve_warm_s "
@@ -87,7 +89,8 @@ PEER_KEYS = {
         "h2d_staged_vs_pinned_floor h2d_tier_gb_s e2e_recompute_s_1024 e2e_full_warm_vs_recompute_1024 "
         "e2e_full_cold_vs_recompute_1024 e2e_cold_read_vs_disk_1024 e2e_qa25_cold_vs_full_1024 "
         "e2e_qa25_warm_vs_full_1024 e2e_store_vs_prefill_1024 e2e_full_warm_vs_recompute_smol_1024 "
-        "e2e_qa25_cold_vs_recompute_1024 e2e_qa25_speculation_hit_rate_1024",
+        "e2e_qa25_cold_vs_recompute_1024 e2e_qa25_speculation_hit_rate_1024 "
+        "e2e_split_cold_again_vs_best_1024 seq_split_cold_vs_best_1024 seq_split_warm_vs_best_smol_1024",
     ),
     "sglang": (
         "sglang_unavailable",

@@ -20,6 +20,11 @@ SmolLM2-135M's config and one shaped like an 8B Llama):
   tier's own buffers `h2d_vs_pinned_floor` (target >= 0.8) and `overlap_hidden_fraction`
   (target >= 0.8).
 
+Always, on the CPU's staged path (the one a GPU takes, run on the CPU; bench/datapath/gpu_choice.py):
+the engine's own choice between loading and computing, request after request, against the best of
+recompute and a full load measured beside it, cold and warm (`cpu_seq_*`); on a GPU the same for
+the 8B shape and SmolLM2's (`seq_*`).
+
 Without CUDA the GPU keys are absent and `cuda_unavailable` says why.
 """
 
@@ -34,13 +39,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.datapath.gpu_choice import choice_figures
 from bench.datapath.gpu_engine import shape_figures
 from engine_adapter.runner.device import KVTransfer
+from engine_adapter.runner.model import LoadedModel, kv_dtype, random_llama, spec_from_config
 from kvstore.load.device import DeviceCopier
 
 #: (hidden, intermediate, layers, attention heads, KV heads, vocabulary) of the timed models.
 SMOL_SHAPE = (576, 1536, 30, 9, 3, 49152)
 LLAMA_8B_SHAPE = (4096, 14336, 32, 32, 8, 128256)
+#: Two layers, one KV head of 64: on 2 CPU cores it computes 2k tokens in ~0.1 s, as fast as a cold
+#: load of their 1 MB opens and reads, so the fixed costs decide (as SmolLM2's 4k does on an H200).
+TINY_SHAPE = (64, 128, 2, 1, 1, 1000)
 NEW_TOKENS = 64
 HEAD_DIM = 128  # the 8B shape's (4096 / 32)
 
@@ -49,6 +59,7 @@ def run(quick: bool = False, dtype: str = "float16") -> dict[str, Any]:
     """The figures as one flat dict (see module docstring and bench/datapath/gpu_engine.py)."""
     result: dict[str, Any] = {"cuda_available": torch.cuda.is_available()}
     result.update(_cpu_side(tokens=512 if quick else 4096))
+    result.update(_cpu_choice(quick))
     if not torch.cuda.is_available():
         result["cuda_unavailable"] = f"torch {torch.__version__} sees no CUDA device"
         return result
@@ -62,7 +73,33 @@ def run(quick: bool = False, dtype: str = "float16") -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvsieve-bench-gpu-") as work:
         result.update(shape_figures("", LLAMA_8B_SHAPE, e2e, half, Path(work), 1 if quick else 2))
         result.update(shape_figures("_smol", SMOL_SHAPE, e2e, half, Path(work), 1 if quick else 2))
+        for tag, shape in (("", LLAMA_8B_SHAPE), ("_smol", SMOL_SHAPE)):
+            lm = _loaded(shape, "cuda", half, Path(work) / f"choice{tag}")
+            result.update(choice_figures(lm, tag, e2e[:2], Path(work), 2 if quick else 5))
+            del lm
     return result
+
+
+def _cpu_choice(quick: bool) -> dict[str, Any]:
+    """The engine's choice request after request on the CPU's staged path (bench/datapath/
+    gpu_choice.py): a shape small enough that loading and computing are close there (where the
+    fixed costs decide), and SmolLM2's (where loading wins by far)."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvsieve-bench-choice-", dir=Path.home()) as work:
+        tiny = _loaded(TINY_SHAPE, "cpu", torch.float32, Path(work) / "tiny")
+        sizes = (512,) if quick else (512, 2048, 8192)
+        out |= choice_figures(tiny, "_tiny", sizes, Path(work), 3 if quick else 6)
+        if not quick:
+            smol = _loaded(SMOL_SHAPE, "cpu", torch.float32, Path(work) / "smol")
+            out |= choice_figures(smol, "_smol", (1024,), Path(work), 5)
+    return out
+
+
+def _loaded(shape: tuple[int, ...], device: str, dtype: torch.dtype, source: Path) -> LoadedModel:
+    """A Llama of `shape` with random weights on `device`, its KV in half precision."""
+    torch.manual_seed(0)
+    model = random_llama(shape, device, dtype)  # type: ignore[arg-type]
+    return LoadedModel(model, None, spec_from_config(model.config, source, kv_dtype(dtype)), source)
 
 
 def _kv(layers: int, kv_heads: int, tokens: int, seed: int = 0) -> np.ndarray[Any, Any]:

@@ -12,7 +12,7 @@ Rates miss two things, and they look different:
 
 A run slower than its rates counts as fixed cost, one faster as a scale, each a decayed mean per
 plan kind and tier state (a cold load opens and page-locks, a warm one does not); a state never
-run borrows the nearest one's.
+run borrows a neighbouring one's.
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ class Calibration:
         self._fits[where] = Fit(scale, fixed)
 
     def fit(self, where: Where) -> Fit:
-        """The fit at `where`, else at the nearest tier state of the same kind, else none (1, 0)."""
+        """The fit at `where`, else at a neighbouring tier state of the same kind (a quarter more or
+        less of the prefix in memory), else none: (1, 0). Not from further: a cold load's fixed
+        costs (opening, page-locking) would make a warm one look as slow, and never be tried."""
         if where in self._fits:
             return self._fits[where]
         kind, tier = where
-        near = [(abs((t or 0) - (tier or 0)), f) for (k, t), f in self._fits.items() if k == kind]
-        return min(near, key=lambda pair: pair[0])[1] if near else Fit()
+        near = [f for (k, t), f in self._fits.items() if k == kind and abs((t or 0) - (tier or 0)) <= 1]
+        return near[0] if near else Fit()
 
     def apply(self, where: Where, rated_s: float) -> float:
         """`rated_s` as this kind's runs at `where` turn out: scaled, plus the fixed cost."""

@@ -20,7 +20,11 @@ GPU, `{tag}` the shape's, each ratio taken within its round:
 - `{prefix}qa25_auto_warm_vs_full{tag}_{N}`: budget 0.25 as the engine chooses ÷ the full load, the
   median over the warm rounds;
 - `{prefix}kinds_cold{tag}_{N}` / `..._warm_...`: what the engine chose, round by round;
-- `{prefix}recompute_s`, `full_cold_s`, `full_warm_s{tag}_{N}`: the medians of the baselines.
+- `{prefix}recompute_s`, `full_cold_s`, `full_warm_s{tag}_{N}`: the medians of the baselines;
+- `{prefix}choice_overhead_warm_ms{tag}_{N}`: what choosing adds to a warm request that the choice
+  sends to the full load (one lookup, the choice, the record), the median difference of
+  `OVERHEAD_PAIRS` back-to-back pairs against the engine told to load (absent where it chose
+  another plan).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from kvstore.store.tiered import TieredStore
 
 QUESTION_TOKENS = 64
 PLANS = ("recompute", "full", "auto")
+#: Back-to-back pairs of warm full loads, chosen and told, that the choice's own cost is the median of.
+OVERHEAD_PAIRS = 40
 
 
 class Round(NamedTuple):
@@ -90,6 +96,7 @@ class _Sequence:
     def __init__(self, lm: LoadedModel, config: StoreConfig, ids: list[int]) -> None:
         self.lm, self.config, self.ids = lm, config, ids
         self.auto_costs = CostModel()  # the choosing engine's: priors at the start
+        self.overhead_ms: float | None = None
 
     def measure(self, requests: int, key: str) -> dict[str, Any]:
         cold = [self._cold_round(i) for i in range(requests)]
@@ -107,6 +114,8 @@ class _Sequence:
             }
         out[key % "recompute_s"] = round(statistics.median(r.recompute for r in cold + warm), 4)
         out[key % "qa25_auto_warm_vs_full"] = round(statistics.median(qa), 3)
+        if self.overhead_ms is not None:
+            out[key % "choice_overhead_warm_ms"] = round(self.overhead_ms, 3)
         return out
 
     def _cold_round(self, i: int) -> Round:
@@ -147,7 +156,22 @@ class _Sequence:
                 rounds.append(Round(got["recompute"], got["full"], got["auto"], kind))
                 full = _timed(engines["full"], self.ids)
                 qa.append(_timed(engines["auto"], self.ids, budget=0.25) / full)
+            self.overhead_ms = _overhead_ms(engines["full"], engines["auto"], self.ids)
         return rounds, qa
+
+
+def _overhead_ms(full: Engine, auto: Engine, ids: list[int], pairs: int = OVERHEAD_PAIRS) -> float | None:
+    """What choosing adds to a warm request whose choice is the full load: the median of `pairs`
+    differences, each of the two engines run back to back (in turns); None where the choosing
+    engine runs another plan there (then there is no same work to compare)."""
+    diffs = []
+    for i in range(pairs):
+        order = (full, auto) if i % 2 else (auto, full)
+        seconds = {id(engine): _timed(engine, ids) for engine in order}
+        if auto.last_split is None or auto.last_split.kind != "full":
+            return None
+        diffs.append(seconds[id(auto)] - seconds[id(full)])
+    return statistics.median(diffs) * 1e3
 
 
 def _engine(lm: LoadedModel, store: TieredStore | None, costs: CostModel, plan: str = "auto") -> Engine:

@@ -184,9 +184,9 @@ class Engine:
         if request is not None and request.prefix_tokens and (request.split or request.query_aware):
             self.last_split = choose(self.costs, request)
         state, ran = self._run(ids, budget, request, timings)
-        if request is not None and ran is not None:
+        if request is not None and ran is not None:  # filed: the seconds to the logits, less the store
             synchronize(self.lm.device)  # the answer's first step waits for these logits anyway
-            self.costs.record(ran, request, self.clock() - t0)
+            self.costs.record(ran, request, self.clock() - t0 - state.timings.store_s)
         return state
 
     def _run(
@@ -207,8 +207,8 @@ class Engine:
                 self.last_split = plan = choose(self.costs, replace(request, query_aware=None))
         if self.transfer.staged and budget != 1.0 and self.query_aware is not True:
             budget = 1.0  # the cost model says choosing cannot pay: the whole prefix, exact
-        if plan is not None and plan.kind == RECOMPUTE:
-            return recompute(self, ids, timings), plan.option
+        if plan is not None and plan.kind == RECOMPUTE:  # the prefix is cached: not stored again
+            return recompute(self, ids, timings, stored_tokens=plan.prefix_tokens), plan.option
         if plan is not None and plan.kind == SPLIT:
             return prefill_split(self, ids, plan, timings), plan.option
         state = prefill_static(self, ids, budget, timings)

@@ -50,6 +50,9 @@ class Timings:
     load_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    #: After the logits, storing the new blocks and reporting scores in line (the rest goes behind):
+    #: what every plan of a request pays alike, left out of what the cost model files for its plan.
+    store_s: float = 0.0
 
 
 @dataclass
@@ -98,9 +101,11 @@ class PrefillEngine(Protocol):
 
 
 def prefill_static(
-    engine: PrefillEngine, ids: Sequence[int], budget: Budget, timings: Timings, reuse: bool = True
-) -> Prefill:
-    """Load the prefix in one call (if `reuse`), compute the rest, store and report.
+    engine: PrefillEngine, ids: Sequence[int], budget: Budget, timings: Timings, reuse: bool = True,
+    stored_tokens: int = 0,
+) -> Prefill:  # fmt: skip
+    """Load the prefix in one call (if `reuse`), compute the rest, store (past `stored_tokens`, the
+    prefix the store holds already) and report.
 
     A copy to the device that fails (out of memory, a CUDA error) abandons the
     loaded prefix: the prompt is recomputed (`transfer.last_error` says why).
@@ -123,9 +128,11 @@ def prefill_static(
     engine.costs.observe_prefill(len(ids) - matched, matched, timings.prefill_s)
     state = Prefill(cache, logits[0, -1], len(ids), matched, loaded, len(ids) - matched, timings=timings)
     if loaded == matched:  # KV computed over a partial prefix is approximate: never store it
-        state.pending_store = store_new(engine, ids, matched, cache, stats)
+        t0 = time.perf_counter()
+        state.pending_store = store_new(engine, ids, max(matched, stored_tokens), cache, stats)
         if stats is not None and matched:
             report_history(engine, ids[:matched], stats)
+        timings.store_s = time.perf_counter() - t0
     return state
 
 
@@ -175,9 +182,10 @@ def prefill_layered(
     )  # fmt: skip
 
 
-def recompute(engine: PrefillEngine, ids: Sequence[int], timings: Timings) -> Prefill:
-    """The whole prompt computed, nothing loaded, its new blocks stored (after a failed load)."""
-    return prefill_static(engine, ids, 1.0, timings, reuse=False)
+def recompute(engine: PrefillEngine, ids: Sequence[int], timings: Timings, stored_tokens: int = 0) -> Prefill:
+    """The whole prompt computed, nothing loaded, its new blocks stored (after a failed load, or as
+    the cost model's choice: then the `stored_tokens` of the cached prefix are not stored again)."""
+    return prefill_static(engine, ids, 1.0, timings, reuse=False, stored_tokens=stored_tokens)
 
 
 def load_prefix(engine: PrefillEngine, ids: Sequence[int], budget: Budget | None, timings: Timings) -> Loaded:

@@ -111,12 +111,14 @@ def prefill_split(engine: PrefillEngine, ids: Sequence[int], plan: SplitPlan, ti
     timings.prefill_s = time.perf_counter() - t0 - timings.load_s
     loaded = covered - head if views else 0
     state = Prefill(cache, logits[0, -1], len(ids), covered, loaded, len(ids) - loaded, timings=timings)
-    state.pending_store = store_new(engine, ids, covered, cache, stats)
     # A prefill of `head` tokens from scratch: what recomputing costs, seen at a length that the
     # question's few tokens never show (a GPU computes a long batch far faster per token).
     engine.costs.observe_prefill(head, 0, head_timer.seconds())
+    t_store = time.perf_counter()
+    state.pending_store = store_new(engine, ids, covered, cache, stats)
     if stats is not None and covered:
         report_history(engine, ids[:covered], stats)
+    timings.store_s = time.perf_counter() - t_store
     return state
 
 

@@ -193,7 +193,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             store.close()
     print(result.text)
     if args.verbose:
-        print_timings(result, budget, lm.spec.fingerprint.hex())
+        print_timings(result, budget, lm.spec.fingerprint.hex(), engine.last_layered)
         print_split(engine.last_split)
         print_budget(budget, engine.last_load)
         print_layered(engine.last_layered)

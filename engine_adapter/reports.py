@@ -59,8 +59,11 @@ def print_layered(report: LayeredReport | None) -> None:
     )
 
 
-def print_timings(result: Any, budget: float | int | AutoBudget, fingerprint: str) -> None:
-    """`generate -v`: where the prompt's tokens came from and where the time went (stderr)."""
+def print_timings(
+    result: Any, budget: float | int | AutoBudget, fingerprint: str, layered: LayeredReport | None = None
+) -> None:
+    """`generate -v`: where the prompt's tokens came from and where the time went (stderr);
+    `layered`: the layer-by-layer load's report (its top-up while decoding is part of the load)."""
     from engine_adapter.reuse import reuse_summary
     from engine_adapter.runner import cache_dir
 
@@ -74,7 +77,8 @@ def print_timings(result: Any, budget: float | int | AutoBudget, fingerprint: st
         f"({len(result.token_ids)} tokens, {result.finish_reason})",
         file=sys.stderr,
     )
-    print(reuse_summary(result, fingerprint, cache_dir() / "prefill-rates.json"), file=sys.stderr)
+    topup_s = layered.topup_s if layered is not None else 0.0
+    print(reuse_summary(result, fingerprint, cache_dir() / "prefill-rates.json", topup_s), file=sys.stderr)
 
 
 def print_split(plan: SplitPlan | None) -> None:

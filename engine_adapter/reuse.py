@@ -18,8 +18,13 @@ from typing import Any
 _MIN_TOKENS_FOR_RATE = 256
 
 
-def reuse_summary(result: Any, fingerprint: str, rates_file: Path) -> str:
-    """Describe reuse for a `GenerateResult`, remembering its prefill rate when meaningful."""
+def reuse_summary(result: Any, fingerprint: str, rates_file: Path, topup_s: float = 0.0) -> str:
+    """Describe reuse for a `GenerateResult`, remembering its prefill rate when meaningful.
+
+    The time saved is what computing the cached prefix would cost less what the load cost,
+    `topup_s` (chunks fetched while decoding) included: a partial load stands in for the whole
+    cached prefix, not only for the tokens it delivered (pricing those alone made a partial load
+    that topped up for seconds claim a saving)."""
     t = result.timings
     rates = _read_rates(rates_file)
     if result.computed_tokens >= _MIN_TOKENS_FOR_RATE:
@@ -32,15 +37,18 @@ def reuse_summary(result: Any, fingerprint: str, rates_file: Path) -> str:
                 "this prefix loads them instead of computing them"
             )
         return "reuse: none (prompts shorter than one 256-token block are not cached; try --context FILE)"
+    topped = f" and {topup_s * 1e3:.0f} ms topping up while decoding" if topup_s > 0 else ""
     line = (
         f"reuse: {result.loaded_tokens} of {result.prompt_tokens} prompt tokens loaded instead of "
-        f"computed, in {t.load_s * 1e3:.0f} ms"
+        f"computed, in {t.load_s * 1e3:.0f} ms{topped}"
     )
     rate = rates.get(fingerprint)
     if rate is None:
         return line
-    compute_s = result.loaded_tokens * rate
-    return f"{line}; computing them takes about {compute_s:.2f} s here (saved ~{compute_s - t.load_s:.2f} s)"
+    cached = max(result.matched_tokens, result.loaded_tokens)
+    compute_s = cached * rate
+    saved = compute_s - t.load_s - topup_s
+    return f"{line}; computing the {cached} cached tokens takes ~{compute_s:.2f} s (saved ~{saved:.2f} s)"
 
 
 def _read_rates(path: Path) -> dict[str, float]:

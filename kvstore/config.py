@@ -70,10 +70,12 @@ class StoreConfig:
             (backlog_wait_s), then is refused (RESOURCE_EXHAUSTED), never dropped silently.
         backlog_wait_s: seconds a Store waits for room under disk_backlog_bytes before it is
             refused; 0 refuses at once.
-        warm_read_ahead_bytes: memory kept faulted in ahead of need, on a low-priority thread,
-            for cold loads' reads from disk to land in (the memory tier keeps what they read, and
-            fresh pages cost more than the read here: docs/performance.md); `kvsieve serve`
-            makes it at start. 0: reads land in fresh memory.
+        warm_read_ahead_bytes: memory kept made ahead of need, on a low-priority thread, for
+            cold loads' reads from disk to land in (the memory tier keeps what they read, and
+            fresh pages cost more than the read here: docs/performance.md); made from the store's
+            start where the memory tier has an arena (`host_arena`), else from `kvsieve serve`'s.
+            Where the arena is page-locked (CUDA) all of it is made at start instead. 0: reads
+            land in fresh memory, and an arena grows on the thread that needs room, as before.
     """
 
     data_dir: Path | None = None

@@ -20,7 +20,8 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
-from kvstore.tiers.disk.pread import HintThread, MapReader, WarmRanges, find_mapping
+from kvstore.tiers.disk.pread import MapReader, WarmRanges, find_mapping
+from kvstore.tiers.jobs import JobThread
 
 # 2 KiB per token: a chunk of 8 tokens is 16 KiB, stored in LMDB overflow pages.
 WIDE = ModelSpec("test-wide", num_layers=4, num_kv_heads=2, head_dim=64)
@@ -84,7 +85,7 @@ def test_buffers_outside_the_map_are_copied(tmp_path: Path) -> None:
 
 
 def test_hint_thread_runs_jobs_in_order_off_the_caller_and_close_joins_it() -> None:
-    hints = HintThread("kvsieve-readahead-test")
+    hints = JobThread("kvsieve-readahead-test")
     release, both_ran = threading.Event(), threading.Event()
     ran: list[tuple[int, str]] = []
     hints.submit(lambda: (release.wait(5), ran.append((0, threading.current_thread().name))))
@@ -101,7 +102,7 @@ def test_hint_thread_runs_jobs_in_order_off_the_caller_and_close_joins_it() -> N
 
 
 def test_a_failing_hint_does_not_stop_the_next_and_close_drops_queued_ones() -> None:
-    hints = HintThread("kvsieve-readahead-test2")
+    hints = JobThread("kvsieve-readahead-test2")
     ran: list[int] = []
     release, second_ran, third_started = threading.Event(), threading.Event(), threading.Event()
 

@@ -43,7 +43,7 @@ from kvstore.tiers import create_tier
 from kvstore.tiers.arena import HostArena
 from kvstore.tiers.base import Tier
 from kvstore.tiers.disk.lock import DataDirLock
-from kvstore.tiers.memory import MemoryTier, arena_bytes
+from kvstore.tiers.memory import MemoryTier, arena_bytes, memory_arena
 from kvstore.tiers.pinned import cuda_available
 from kvstore.tiers.stack import TierStack
 from kvstore.values import DEFAULT_NAMESPACE, Array, LookupResult, StoreResult, validate_kv
@@ -72,6 +72,9 @@ class TieredStore:
             self._lock = DataDirLock(
                 self.config.data_dir, exclusive=False, purpose="opening a store"
             ).acquire()
+        #: The memory tier's arena and the thread that makes its segments ahead (None: no arena,
+        #: or `warm_read_ahead_bytes` 0); cold loads' reads land in that arena.
+        self.arena_ahead = memory_arena(self.config)
         local: list[Tier] = []
         if self.config.lmdb_dir is not None:
             local.append(
@@ -81,12 +84,13 @@ class TieredStore:
                     capacity_bytes=self.config.disk_bytes,
                     # what cold loads read, the memory tier keeps: as much warm memory as it holds
                     warm_read_bytes=self._warm_read_bytes(),
+                    warm_ahead=self.arena_ahead,
                 )
             )
         memory = MemoryTier(
             self.config.memory_bytes,
             self.config.pin_host_memory,
-            self._arena(),
+            self.arena_ahead.arena if self.arena_ahead is not None else self._arena(),
             self.config.host_arena is not False,
         )
         self.remote_link: RemoteLink | None = None
@@ -255,6 +259,8 @@ class TieredStore:
     def warm_reads(self, ahead_bytes: int) -> None:
         """Fault in `ahead_bytes` of memory for the local disk tiers' reads now, in the background,
         and keep that much ready (kvstore/tiers/disk/pread.py `WarmRanges`)."""
+        if self.arena_ahead is not None:
+            self.arena_ahead.keep_ahead(max(ahead_bytes, self.arena_ahead.ahead_bytes))
         for tier in self.tiers.durable:
             warm = getattr(tier, "warm_reads", None)
             if warm is not None:
@@ -292,6 +298,8 @@ class TieredStore:
                 self.remote_link.close()  # drains queued remote writes first
             for tier in self.tiers.all:
                 tier.close()
+            if self.arena_ahead is not None:
+                self.arena_ahead.close()
             if self._lock is not None:
                 self._lock.release()
 
@@ -352,8 +360,8 @@ class TieredStore:
         return arena_bytes(self.config.memory_bytes)
 
     def _arena(self) -> HostArena | None:
-        """The memory tier's arena where `host_arena` asks for one off CUDA (the tier makes its own
-        page-locked one where CUDA is)."""
+        """The memory tier's arena where `host_arena` asks for one off CUDA and nothing is made ahead
+        (the tier makes its own page-locked one where CUDA is)."""
         if not self.config.host_arena or cuda_available():
             return None
         return HostArena(arena_bytes(self.config.memory_bytes), pin=False)

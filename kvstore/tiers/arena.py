@@ -15,14 +15,25 @@ free list under the lock (a finalizer can run inside an allocation, which must n
 
 Without CUDA the same arena runs on plain memory (`pin=False`): the tests prove its bookkeeping
 on the CPU, and a store may use it there to avoid heap fragmentation.
+
+Making a segment is what costs (page-locking 256 MiB took 0.136 s on an H200's host; plain pages
+fault in at ~2.5 us each here), so a store hands its arena's growth to `SegmentsAhead`
+(kvstore/tiers/jobs.py), which makes segments on a low-priority thread before they are needed:
+from then on `take` never makes one (`grow_ahead`), and the thread that made each segment is
+recorded (`segment_threads`: the tests check that no load made one). What a cold load reads
+lands in the arena too, and the memory tier keeps those very bytes (`keep`): no copy, no new
+memory on the load's path.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
+import mmap
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +75,8 @@ class HostArena:
         self._free: list[list[tuple[int, int]]] = []  # per segment: sorted (start, length)
         self._used = 0
         self._freed: collections.deque[tuple[int, int, int]] = collections.deque()  # from finalizers
+        self._made_on: list[str] = []  # the thread that made each segment
+        self._after_take: Callable[[], None] | None = None  # set: segments are made ahead, not here
         self._lock = threading.Lock()
 
     def copy_in(self, data: bytes | memoryview | Array) -> Array | None:
@@ -81,15 +94,52 @@ class HostArena:
         """A writable range of `nbytes` bytes (uint8) for the caller to fill (then to make read-only);
         None if it does not fit under `capacity_bytes`, or, with `grow` False, in the segments made
         so far. Reused once the array and every view of it are gone."""
+        after = self._after_take
         with self._lock:
             self._return_freed()
-            place = self._take(nbytes, grow)
+            place = self._take(nbytes, grow and after is None)
+        if after is not None:
+            after()
         if place is None:
             return None
         segment, start = place
         out = self._segments[segment][start : start + nbytes]
         weakref.finalize(out, self._freed.append, (segment, start, _rounded(nbytes)))
         return out
+
+    def keep(self, data: bytes | memoryview | Array) -> Array | None:
+        """`data` as a read-only uint8 array of this arena: `data` itself when it is a read-only
+        view of a range `take` handed out (what a cold load read there: kept without a copy, its
+        range freed once every view of it is gone), else a copy (`copy_in`, None if it does not fit)."""
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)
+        if not src.flags.writeable and src.size and self._holds(_first_byte(src), int(src.size)):
+            return src.reshape(-1)
+        return self.copy_in(src)
+
+    def grow_ahead(self, after_take: Callable[[], None]) -> None:
+        """From now on `take` makes no segment (`make_segment` does, on the caller's thread) and
+        calls `after_take` after each take (outside the lock), so that a thread can keep room ahead."""
+        self._after_take = after_take
+
+    def make_segment(self) -> bool:
+        """Make one segment of `segment_bytes` now, its pages faulted in (page-locked where `pin`),
+        as free room. False, and nothing made, if it would pass `capacity_bytes`. Slow: call it
+        off the loading thread (`SegmentsAhead`)."""
+        with self._lock:
+            if sum(int(s.size) for s in self._segments) + self.segment_bytes > self.capacity_bytes:
+                return False
+        segment, owner = _made_segment(self.segment_bytes, self.pin)  # outside the lock: slow
+        with self._lock:
+            if sum(int(s.size) for s in self._segments) + segment.size > self.capacity_bytes:
+                return False  # another thread grew it meanwhile
+            self._add_locked(segment, owner)
+            self._free[-1] = [(0, int(segment.size))]
+        return True
+
+    def segment_threads(self) -> list[str]:
+        """The name of the thread that made each segment, in the order they were made."""
+        with self._lock:
+            return list(self._made_on)
 
     def add_segment(self, segment: Array) -> bool:
         """Add `segment` (uint8, made and faulted in by the caller; pin=False only) as free room;
@@ -99,9 +149,8 @@ class HostArena:
         with self._lock:
             if sum(int(s.size) for s in self._segments) + segment.size > self.capacity_bytes:
                 return False
-            self._segments.append(segment)
-            self._owners.append(segment)
-            self._free.append([(0, int(segment.size))])
+            self._add_locked(segment, segment)
+            self._free[-1] = [(0, int(segment.size))]
             return True
 
     def usage(self) -> ArenaUsage:
@@ -115,6 +164,14 @@ class HostArena:
         address = array.__array_interface__["data"][0]
         with self._lock:
             return any(_first_byte(s) <= address < _first_byte(s) + s.size for s in self._segments)
+
+    def _holds(self, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) lies inside one segment."""
+        with self._lock:
+            return any(
+                _first_byte(s) <= address and address + nbytes <= _first_byte(s) + s.size
+                for s in self._segments
+            )
 
     # -- bookkeeping (under the lock) ---------------------------------------------------------
 
@@ -143,15 +200,34 @@ class HostArena:
             segment: Array = owner.numpy()
         else:
             owner = segment = np.empty(num_bytes, np.uint8)
+        self._add_locked(segment, owner)
+
+    def _add_locked(self, segment: Array, owner: Any) -> None:
         self._segments.append(segment)
         self._owners.append(owner)
         self._free.append([])
+        self._made_on.append(threading.current_thread().name)
 
     def _return_freed(self) -> None:
         while self._freed:
             segment, start, length = self._freed.popleft()
             self._used -= length
             _insert_free(self._free[segment], start, length)
+
+
+def _made_segment(num_bytes: int, pin: bool) -> tuple[Array, Any]:
+    """A segment with its pages in memory, and what owns its memory."""
+    if pin:
+        import torch
+
+        owner = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)  # page-locked: resident
+        return owner.numpy(), owner
+    # A mapping of its own, not numpy's: numpy asks for huge pages for an array this large, and in
+    # the sidecar faulting those in cost 3x the CPU of 4 KiB pages (compaction).
+    buf = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE)
+    segment = np.frombuffer(buf, np.uint8)
+    ctypes.memset(segment.ctypes.data, 0, segment.size)  # faulted in; ctypes lets go of the GIL
+    return segment, buf
 
 
 def _rounded(size: int) -> int:

@@ -7,7 +7,8 @@ fit fails (`TierFullError`, or False for one chunk); the store's index
 A block may be held partly (chunks promoted one by one, or evicted one by one).
 Where CUDA is available records are copied into a page-locked `HostArena` (kvstore/tiers/arena.py),
 so that loads copy them to the GPU by DMA from where they lie; page-locking is done a segment at a
-time, not per record.
+time, not per record, and a store has the segments made ahead on a thread (`memory_arena`). What a
+cold load read into the arena is kept as it lies: no copy on promotion.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.config import StoreConfig
 from kvstore.errors import TierFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
 from kvstore.tiers.arena import HostArena
 from kvstore.tiers.base import Span
+from kvstore.tiers.jobs import SegmentsAhead
 from kvstore.tiers.pinned import cuda_available, host_buffer
 
 ChunkRef = tuple[bytes, int]  # (block key, chunk index)
+
+#: One segment of the memory tier's arena (page-locking is paid per segment: fewer, larger ones).
+ARENA_SEGMENT_BYTES = 256 << 20
 
 
 class MemoryTier:
@@ -193,8 +199,11 @@ class MemoryTier:
         )
 
     def _insert_locked(self, meta: BlockMeta, index: int, data: bytes | memoryview) -> None:
-        held = None if self.arena is None else self.arena.copy_in(data)
-        self._chunks[(meta.key, index)] = held if held is not None else host_buffer(data, self._pin_host)
+        # bytes read into the arena are kept as they lie; no room there: unpinned, never pinned alone
+        held = None if self.arena is None else self.arena.keep(data)
+        if held is None:
+            held = host_buffer(data, self._pin_host and self.arena is None)
+        self._chunks[(meta.key, index)] = held
         self._used += len(data)
         self._chunk_count[meta.key] = self._chunk_count.get(meta.key, 0) + 1
 
@@ -224,3 +233,25 @@ def arena_bytes(capacity_bytes: int) -> int:
     """The arena for a tier of `capacity_bytes`: a little more, since an evicted record's range is
     reused only once no load holds a view of it any more."""
     return capacity_bytes + max(256 << 20, capacity_bytes // 8)
+
+
+def memory_arena(config: StoreConfig) -> SegmentsAhead | None:
+    """The memory tier's arena, its first segment made now (the store's start: what a Store or a
+    load right after it lands in), the rest ahead of need on a low-priority thread (kvstore/tiers/
+    jobs.py). Page-locked where CUDA is (unless `pin_host_memory` or `host_arena` is False): all
+    of it, since a load can land only in memory page-locked before it (0.136 s per 256 MiB segment
+    on an H200's host, issue 47), as LMCache page-locks its CPU buffer at start. Plain where
+    `host_arena` asks for one on the CPU: `warm_read_ahead_bytes` made and kept free. None where
+    the tier has no arena, or `warm_read_ahead_bytes` is 0 (the tier then grows its arena on the
+    caller's thread, as before)."""
+    if not config.warm_read_ahead_bytes or not config.memory_bytes or config.host_arena is False:
+        return None
+    pin = config.pin_host_memory and cuda_available()
+    if not pin and not config.host_arena:
+        return None
+    arena = HostArena(arena_bytes(config.memory_bytes), pin=pin, segment_bytes=ARENA_SEGMENT_BYTES)
+    ahead_bytes = arena.capacity_bytes if pin else config.warm_read_ahead_bytes
+    arena.make_segment()
+    ahead = SegmentsAhead(arena, "kvsieve-arena-ahead", ahead_bytes)
+    ahead.keep_ahead()
+    return ahead

@@ -32,12 +32,12 @@ from kvstore.tiers.base import Span
 from kvstore.tiers.disk.datafile import DATA_FILE, check_data_file, reserve_lock_file, write_error
 from kvstore.tiers.disk.locate import NodeLocator
 from kvstore.tiers.disk.mapguard import MapGuard
-from kvstore.tiers.disk.pread import HintThread, MapReader, WarmRanges
+from kvstore.tiers.disk.pread import MapReader, WarmRanges
+from kvstore.tiers.jobs import JobThread, SegmentsAhead
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
-# LMDB needs room beyond the payload: B-tree pages, and freed pages that a reader
-# still sees cannot be reused at once.
+# LMDB needs room beyond the payload: B-tree pages, and freed pages a reader still sees (not reused).
 _MAP_OVERHEAD = 2
 _MAX_READERS = 512
 # Readahead beyond a block's chunk bytes: the page headers of its overflow pages, and B-tree pages.
@@ -56,15 +56,16 @@ class LmdbTier:
         capacity_bytes: int | None = None,
         initial_map_bytes: int = _UNBOUNDED_MAP_BYTES,
         warm_read_bytes: int = 0,
+        warm_ahead: SegmentsAhead | None = None,
     ) -> None:
         """Open (or create) the environment under `path`.
 
         Args:
             capacity_bytes: byte budget of chunk data; the map is sized from it.
                 None = unbounded: the map starts at `initial_map_bytes` and doubles when full.
-            warm_read_bytes: memory, made and faulted in ahead of need, that reads of a block's
-                values land in (kvstore/tiers/disk/pread.py `WarmRanges`; the memory tier keeps
-                what it promotes there); 0: every read in fresh memory.
+            warm_read_bytes: memory made ahead of need that reads of a block's values land in
+                (kvstore/tiers/disk/pread.py `WarmRanges`: the memory tier keeps what it promotes
+                there; `warm_ahead`'s arena if given, the memory tier's); 0: fresh memory.
         """
         self._path = Path(path)
         self._initial_map = initial_map_bytes
@@ -81,8 +82,8 @@ class LmdbTier:
             raise DamagedStoreError(f"cannot read {self.data_file()}: {exc}", self._path.parent) from exc
         st = os.stat(self.data_file())
         self._file_id = (st.st_dev, st.st_ino)
-        self._hints = HintThread(f"kvsieve-readahead-{self._path.name}")
-        warm = WarmRanges(warm_read_bytes) if warm_read_bytes > 0 else None
+        self._hints = JobThread(f"kvsieve-readahead-{self._path.name}")
+        warm = WarmRanges(warm_read_bytes, ahead=warm_ahead) if warm_read_bytes > 0 else None
         self._reader = MapReader(self.data_file(), warm)
         self._nodes = NodeLocator(self._env.stat()["psize"], self._reader.file_span)
 
@@ -177,8 +178,7 @@ class LmdbTier:
             return True
 
     def warm_reads(self, ahead_bytes: int) -> None:
-        """Make `ahead_bytes` of warm memory for reads now, in the background, and keep that much
-        free from now on (nothing without `warm_read_bytes`)."""
+        """Make `ahead_bytes` of warm memory for reads now, in the background, and keep that much free."""
         if self._reader.warm is not None:
             self._reader.warm.keep_ahead(ahead_bytes)
 

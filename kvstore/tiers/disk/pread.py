@@ -14,22 +14,17 @@ What a cold load reads becomes the memory tier's copy (promotion keeps the bytes
 each read used to land in memory the process never touched, faulted in 4 KiB at a time: the
 biggest cost of a cold hit here, 1,540 faults and 4.5-10 ms per 6 MB block, 30-35 ms of a
 47 MB load (fresh pages cost ~2.5 us each on this VM, whether faulted or populated). So reads
-land in `WarmRanges`: ranges of an arena whose segments were faulted in ahead, one segment
-at a time on the read-ahead thread, off the loading thread; a range freed (the memory tier
-evicted the record, or nobody kept the read) is reused warm. Transparent huge pages would
-make fresh pages cheap, but asked for here they stalled loads in compaction (2-5x slower).
+land in `WarmRanges`: ranges of an arena (the memory tier's own where it has one) whose
+segments were made ahead, one segment at a time on a low-priority thread, off the loading
+thread; a range freed (the memory tier evicted the record, or nobody kept the read) is reused.
+Transparent huge pages would make fresh pages cheap, but asked for here they stalled loads in
+compaction (2-5x slower).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import logging
-import mmap
 import os
-import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,8 +32,7 @@ import numpy as np
 
 from kvstore.tiers.arena import HostArena
 from kvstore.tiers.disk.spans import SpanReads
-
-logger = logging.getLogger(__name__)
+from kvstore.tiers.jobs import SegmentsAhead
 
 # Values closer than this in the file are read together (the bytes between are page headers).
 MERGE_GAP = 64 << 10
@@ -203,127 +197,58 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, 
 
 
 class WarmRanges:
-    """Memory for reads whose pages are already faulted in: an unpinned `HostArena` that
-    segments are added to, made and faulted in on a thread of its own, whenever less than
-    `ahead_bytes` is left free. A take never grows the arena itself: with no warm range free it
-    returns None (the read then goes to fresh memory, as before). Faulting in is CPU work all
-    the same (~0.7 ms per MB here): it pays where the thread finds idle time before the loads,
-    e.g. after a restart (`kvsieve serve` makes `StoreConfig.warm_read_ahead_bytes` at
-    start); its thread runs at the lowest priority. Thread-safe.
+    """Memory for reads whose pages are already there: ranges of a `HostArena` whose segments
+    `SegmentsAhead` (kvstore/tiers/jobs.py) makes on a thread of its own, at the lowest priority,
+    whenever less than `ahead_bytes` is left free. The arena is the memory tier's where it has one
+    (page-locked where CUDA is: a read then lands where a device copies from, and the tier keeps
+    it without a copy), else an unpinned one of this reader's. A take never grows the arena
+    itself: with no warm range free it returns None (the read then goes to fresh memory).
+    Making segments is CPU work all the same (~0.7 ms per MB faulted in here): it pays where the
+    thread finds idle time before the loads, e.g. after a restart. Thread-safe.
 
     Args:
-        capacity_bytes: all segments together at most this many bytes.
-        segment_bytes: one segment.
+        capacity_bytes: all segments of an arena of its own together at most this many bytes.
+        segment_bytes: one segment of an arena of its own.
+        ahead: the memory tier's arena with its maker (the store owns and closes it); None:
+            an arena of its own.
     """
 
     #: Smaller reads go to fresh memory: a range is worth it for a block's values, not a record's.
     MIN_BYTES = 1 << 20
 
-    def __init__(self, capacity_bytes: int, segment_bytes: int = 64 << 20) -> None:
-        self.segment_bytes = segment_bytes
-        #: Free warm bytes to keep made ahead (one segment until `keep_ahead` is given more).
-        self.ahead_bytes = segment_bytes
-        self._arena = HostArena(capacity_bytes, pin=False, segment_bytes=segment_bytes)
-        # A thread of its own: queued behind the read-ahead hints it would delay the next load's.
-        self._hints = HintThread("kvsieve-warm-reads")
-        self._lock = threading.Lock()
-        self._growing = False
-        self._niced = False
+    def __init__(
+        self, capacity_bytes: int, segment_bytes: int = 64 << 20, ahead: SegmentsAhead | None = None
+    ) -> None:
+        self._owned = ahead is None
+        if ahead is None:
+            arena = HostArena(capacity_bytes, pin=False, segment_bytes=segment_bytes)
+            ahead = SegmentsAhead(arena, "kvsieve-warm-reads", arena.segment_bytes)
+        self.segment_bytes = ahead.arena.segment_bytes
+        #: Segments made ahead (one until `keep_ahead` is given more).
+        self.ahead = ahead
+        self._arena = ahead.arena
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Free bytes kept made ahead."""
+        return self.ahead.ahead_bytes
 
     def take(self, nbytes: int) -> np.ndarray[Any, Any] | None:
-        """A writable warm range of `nbytes` bytes, or None; makes the next segment ahead."""
+        """A writable warm range of `nbytes` bytes, or None; has the next segment made ahead."""
         if nbytes < self.MIN_BYTES:
             return None
-        out = self._arena.take(nbytes, grow=False)
-        self.keep_ahead()
-        return out
+        return self._arena.take(nbytes, grow=False)
 
     def keep_ahead(self, ahead_bytes: int | None = None) -> None:
-        """Have segments made on the hints' thread while less than `ahead_bytes` (given: from now
-        on) is free and room is left."""
-        if ahead_bytes is not None:
-            self.ahead_bytes = ahead_bytes
-        usage = self._arena.usage()
-        if usage.segment_bytes - usage.used_bytes >= self.ahead_bytes:
-            return
-        if usage.segment_bytes + self.segment_bytes > self._arena.capacity_bytes:
-            return
-        with self._lock:
-            if self._growing:
-                return
-            self._growing = True
-        self._hints.submit(self._grow)
+        """Have segments made on the thread while less than `ahead_bytes` (given: from now on)
+        is free and room is left."""
+        self.ahead.keep_ahead(ahead_bytes)
 
     def usage(self) -> Any:
         """The arena's `ArenaUsage`."""
         return self._arena.usage()
 
     def close(self) -> None:
-        """Stop making segments (the one being made is finished). Idempotent."""
-        self._hints.close()
-
-    def _grow(self) -> None:
-        if not self._niced:  # the loads and the engine beside us go first (Linux: per thread)
-            self._niced = True
-            with contextlib.suppress(OSError, AttributeError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            # A mapping of its own, not numpy's: numpy asks for huge pages for an array this large,
-            # and in the sidecar faulting those in cost 3x the CPU of 4 KiB pages (compaction).
-            buf = mmap.mmap(-1, self.segment_bytes, flags=mmap.MAP_PRIVATE)
-            segment = np.frombuffer(buf, np.uint8)
-            # Written before anyone can take a range of it; ctypes lets go of the GIL meanwhile.
-            ctypes.memset(segment.ctypes.data, 0, segment.size)
-            self._arena.add_segment(segment)
-        finally:
-            with self._lock:
-                self._growing = False
-        self.keep_ahead()  # the loads meanwhile may have taken it already
-
-
-class HintThread:
-    """One daemon thread that runs read-ahead hints in order, off the loading thread.
-
-    Locating a load's values faults the B-tree pages in cold, one block at a time, and
-    posix_fadvise blocks until its reads are queued: measured here, hinting a cold
-    47 MB load on the loading thread delayed its first chunk 29-60 ms, about the time
-    of all the reads, so nothing overlapped. Run here, the hints read ahead while the
-    loading thread verifies and copies the blocks already read.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` after the jobs before it; ignored once closed. An exception it raises is
-        logged (debug) and ends only that job."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._jobs.put(job)
-
-    def close(self) -> None:
-        """Stop: the job running finishes, queued ones are dropped. Idempotent."""
-        with self._lock:
-            self._closed = True
-            thread, self._thread = self._thread, None
-            if thread is not None:
-                self._jobs.put(None)
-        if thread is not None:
-            thread.join()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if self._closed:  # closing: the loads these hints were for are over
-                continue
-            try:
-                job()
-            except Exception:  # a hint only: one that fails must not end the hints after it
-                logger.debug("read-ahead hint failed", exc_info=True)
+        """Stop making segments of an arena of its own (the one being made is finished). Idempotent."""
+        if self._owned:
+            self.ahead.close()

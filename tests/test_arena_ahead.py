@@ -3,21 +3,28 @@
 `StoreConfig.host_arena=True` runs the GPU's memory layout here: the memory tier's records in a
 `HostArena` (unpinned on the CPU, page-locked where CUDA is; the bookkeeping is the same). A started
 store makes that arena's segments on its own low-priority thread (`SegmentsAhead`,
-kvstore/tiers/jobs.py), so no load ever makes one; and a block a cold load reads lands in the
-arena and the memory tier keeps those very bytes.
+kvstore/tiers/jobs.py), so no load ever makes one; a block a cold load reads lands in the arena
+and the memory tier keeps those very bytes; and promoting it costs the load the same few index
+calls per block whatever its layers or chunks (counted, never timed).
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import kvstore.tiers.memory as memory_module
 from kvstore.config import StoreConfig
+from kvstore.index.eviction import ScorePolicy
+from kvstore.index.store_index import StoreIndex
+from kvstore.load.fetch import RecordFetcher
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
 from kvstore.tiers.arena import HostArena
@@ -121,6 +128,67 @@ def test_without_room_made_ahead_a_read_goes_to_fresh_memory_and_is_kept(
         assert store.memory.arena.segment_threads() == made and len(made) == 1
         assert store.stats().tiers["memory"].num_chunks == 8  # every block promoted all the same
     np.testing.assert_array_equal(loaded, kv)
+
+
+# -- index work per promoted block: the same whatever the layers and chunks ------------------------
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], owner: Any, name: str) -> None:
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+
+
+INDEX_CALLS = ("promote_many", "touch_memory", "_make_room_locked", "_memory_changed_locked")
+
+
+def _index_calls_per_block(
+    tmp_path: Path, model: ModelSpec, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, float]:
+    """Calls into the index, its policy and the fetcher's header cache per block of a cold full load."""
+    config = _config(tmp_path / model.name / layout, ahead=SEGMENT, layout=layout)
+    tokens, kv = _stored(config, model, 1024)
+    calls: Counter[str] = Counter()
+    with monkeypatch.context() as patch:
+        for name in INDEX_CALLS:
+            _counting(patch, calls, StoreIndex, name)
+        _counting(patch, calls, ScorePolicy, "touch")
+        _counting(patch, calls, RecordFetcher, "_keep")
+        _counting(patch, calls, RecordFetcher, "keep_pack")
+        with TieredStore(config) as store:
+            loaded = _ordered(store, tokens, model)
+            blocks = store.tree.num_blocks
+    np.testing.assert_array_equal(loaded, kv)
+    return {name: calls[name] / blocks for name in (*INDEX_CALLS, "touch", "_keep", "keep_pack")}
+
+
+@pytest.mark.parametrize("layers", [2, 8, 32])
+def test_promoting_a_packed_block_costs_one_index_step_whatever_its_layers(
+    tmp_path: Path, layers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = ModelSpec(f"test-layers-{layers}", num_layers=layers, num_kv_heads=2, head_dim=16)
+    per_block = _index_calls_per_block(tmp_path, model, "layered", monkeypatch)
+    assert per_block == {
+        "promote_many": 1, "touch_memory": 0, "_make_room_locked": 1, "_memory_changed_locked": 1,
+        "touch": 1,  # the policy learns of the block's one record, its pack
+        "_keep": 0, "keep_pack": 1,  # the headers kept as one list, none one by one
+    }  # fmt: skip
+
+
+def test_promoting_a_block_of_chunks_costs_one_index_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The importance layout: 16 chunk records a block, promoted in one call (one lock, room made
+    once, the block's news once); the policy still learns of each record (it evicts chunks)."""
+    model = ModelSpec("test-chunks", num_layers=4, num_kv_heads=2, head_dim=16)
+    per_block = _index_calls_per_block(tmp_path, model, "importance", monkeypatch)
+    assert per_block["promote_many"] == 1 and per_block["_make_room_locked"] == 1
+    assert per_block["_memory_changed_locked"] == 1 and per_block["touch_memory"] == 1
+    assert per_block["touch"] == 16 and per_block["_keep"] == 0
 
 
 # -- the mechanism itself ------------------------------------------------------------------------

@@ -102,13 +102,29 @@ def test_a_chunk_lent_at_another_slot_is_copied() -> None:
     assert np.all(out[:, :, :, :4] == 1.0)
 
 
-def test_a_cold_load_keeps_the_headers_it_verified(stored: tuple[TieredStore, Array, Array]) -> None:
+def test_a_cold_load_keeps_the_headers_it_verified(
+    stored: tuple[TieredStore, Array, Array], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once per block, as its pack's list (issue 47: no index work per layer on the load's path),
+    and a layer record memory holds is then read without parsing its header again."""
+    import kvstore.load.fetch as fetch
+
     store, toks, _ = stored
-    kept = store.reader.layer_records._headers
-    assert not kept
+    records = store.reader.layer_records
+    assert not records._headers and not records._packs
     store.load_arrays(toks, model=TINY)
-    layer_records = {(key, index) for key, _, index in kept}
-    assert len(layer_records) == 3 * TINY.num_layers  # every layer record promoted, its header kept
+    assert not records._headers  # nothing kept layer by layer ...
+    assert len(records._packs) == 3  # ... every block's headers kept at once, with its pack
+    parsed: list[int] = []
+    monkeypatch.setattr(fetch, "parse_header", lambda *a: parsed.append(1))
+    for node in store.tree.nodes():
+        meta = node.payload
+        held = fetch.Fetched(memoryview(b""), "memory", True)
+        for layer in range(TINY.num_layers):
+            geometry = fetch.layer_geometry(meta, layer, TINY)
+            header = records.known_header(meta, meta.num_layers + layer, held, geometry)
+            assert header is records._packs[(meta.key, meta.layout_version)][layer]
+    assert not parsed
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 8])

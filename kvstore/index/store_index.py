@@ -318,15 +318,26 @@ class StoreIndex:
 
     def promote(self, meta: BlockMeta, index: int, data: bytes | memoryview) -> bool:
         """Copy one chunk read from a slower tier into memory, making room. False if it does not fit."""
+        return self.promote_many(meta, [(index, data)]) == 1
+
+    def promote_many(self, meta: BlockMeta, records: Sequence[tuple[int, bytes | memoryview]]) -> int:
+        """Copy records (index, bytes) of one block read from a slower tier into memory: one step
+        under the memory lock, room made once for all of them, the block's news told once, so a
+        load pays one call per block. Returns how many memory holds now (it stops at the first
+        that does not fit)."""
         with self._memory_lock:
-            if self._memory.has_chunk(meta.key, index):
-                return True
-            self._make_room_locked(len(data))
-            if not self._memory.put_chunk(meta, index, data):
-                return False
-            self._policy.touch((meta.key, index), meta)
+            fresh = [(i, data) for i, data in records if not self._memory.has_chunk(meta.key, i)]
+            held = len(records) - len(fresh)
+            if not fresh:
+                return held
+            self._make_room_locked(sum(len(data) for _, data in fresh))
+            for index, data in fresh:
+                if not self._memory.put_chunk(meta, index, data):
+                    break
+                self._policy.touch((meta.key, index), meta)
+                held += 1
             self._memory_changed_locked(meta.key, meta)
-            return True
+            return held
 
     def touch_memory(self, meta: BlockMeta, indices: Iterable[int]) -> None:
         """Record reads of memory chunks (the policy's frequency and recency)."""

@@ -41,7 +41,6 @@ from kvstore.values import Array
 if TYPE_CHECKING:
     from kvstore.index.store_index import StoreIndex
 
-
 _MAX_HEADERS = 1 << 16  # parsed headers kept (a few hundred bytes each)
 _MAX_TABLES = 1 << 14  # pack tables kept (per block and local tier, a few hundred bytes each)
 _MAX_PENDING = 8  # packs whose layer records are being verified one by one (each holds views)
@@ -105,6 +104,8 @@ class RecordFetcher:
             return None
         key = (meta.key, meta.layout_version, index)
         header = self._headers.get(key)
+        if header is None and (pack := self._packs.get(key[:2])) and index >= meta.num_layers:
+            header = pack[index - meta.num_layers]  # kept with its pack (`keep_pack`)
         if header is None or header.geometry != geometry:
             header = parse_header(fetched.data, meta.chunk_id(index), geometry)
             self._keep(meta, index, header)
@@ -286,14 +287,13 @@ class RecordFetcher:
         self, meta: BlockMeta, pack: WholePack, headers: Sequence[LayerHeader], chunks: Sequence[Array]
     ) -> None:
         """Copy a pack read whole from a slower tier, every record of it verified (`headers`, decoded
-        `chunks`), into memory: the same bytes if every record is raw, else re-encoded raw."""
+        `chunks`), into memory: the same bytes if every record is raw, else re-encoded raw. One
+        promotion and one list of headers kept, whatever the layers (`known_header` looks there)."""
         if pack.trusted:
             return
         if all(h.codec == "raw" for h in headers):
             if self._index.promote(meta, meta.pack_index, pack.data):
-                for layer, header in enumerate(headers):  # memory now holds these very bytes
-                    self._keep(meta, meta.num_layers + layer, header)
-                self.keep_pack(meta, list(headers))
+                self.keep_pack(meta, list(headers))  # memory now holds these very bytes
             return
         raws = [raw_from_chunks(h, c) for h, c in zip(headers, chunks, strict=True)]
         self._index.promote(meta, meta.pack_index, encode_pack(meta.chunk_id(meta.pack_index), raws))

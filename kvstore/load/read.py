@@ -150,13 +150,16 @@ class BlockReader:
             missing = [i for i in indices if i not in found]
             if not missing:
                 break
+            promoted: list[tuple[int, bytes | memoryview]] = []
             for index, data in zip(missing, tier.get_chunks(meta, missing), strict=True):
                 if data is None:
                     continue
                 chunk = self._decode_durable(meta, block_index, index, data, tier, tally, model)
                 if chunk is not None:
                     found[index] = chunk
-                    self._promote(meta, index, chunk, data)
+                    promoted.append((index, self._raw(meta, index, chunk, data)))
+            if promoted:  # one call into the index per block, whatever its chunks
+                self._index.promote_many(meta, promoted)
         self._counters.add_many(tally)
         if len(found) < len(indices):
             return None
@@ -187,11 +190,11 @@ class BlockReader:
                 return None
             raise
 
-    def _promote(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> None:
-        if self._config.codec != "raw":  # memory holds raw chunks: no zstd on the hot path
-            raw = encode_chunk(meta.chunk_id(index), chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw")
-            data = memoryview(raw)
-        self._index.promote(meta, index, data)
+    def _raw(self, meta: BlockMeta, index: int, chunk: LoadedChunk, data: memoryview) -> bytes | memoryview:
+        """What memory holds of a chunk read from a slower tier: raw (no zstd on the hot path)."""
+        if self._config.codec == "raw":
+            return data
+        return encode_chunk(meta.chunk_id(index), chunk.positions, chunk.kv, chunk.kv.dtype.name, "raw")
 
 
 def _whole_pack_planned(meta: BlockMeta, units: list[int]) -> bool:

@@ -130,6 +130,52 @@ def test_without_room_made_ahead_a_read_goes_to_fresh_memory_and_is_kept(
     np.testing.assert_array_equal(loaded, kv)
 
 
+def test_a_cold_full_load_reads_its_packs_on_a_reader_thread(
+    tmp_path: Path, small_segments: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The views a device copies from: each pack read (and its records' checksum verified) on a
+    thread of its own while the loading thread checks the headers and promotes the block before;
+    the thread ends with the load, also when the caller stops early."""
+    from kvstore.load.stream import LocalLoadStream
+    from kvstore.tiers.disk.pread import MapReader
+
+    config = _config(tmp_path, ahead=24 << 20)
+    tokens, kv = _stored(config, WIDE, 2048)
+    readers: list[str] = []
+    read = MapReader.read
+    monkeypatch.setattr(
+        MapReader,
+        "read",
+        lambda self, items: readers.append(threading.current_thread().name) or read(self, items),
+    )
+    with TieredStore(config) as store:
+        with store.load(tokens, model=WIDE) as stream:
+            assert isinstance(stream, LocalLoadStream)
+            views = stream.pack_views()
+            assert views is not None
+            listed = list(views)
+        assert len(listed) == 8 and len(readers) == 8
+        assert threading.current_thread().name not in readers  # every pack read off this thread
+        with store.load(tokens, model=WIDE) as stream:  # from memory now: no reader thread at all
+            assert isinstance(stream, LocalLoadStream)
+            again = stream.pack_views()
+            assert again is not None and len(list(again)) == 8
+        assert len(readers) == 8
+    with TieredStore(config) as store, store.load(tokens, model=WIDE) as stream:
+        assert isinstance(stream, LocalLoadStream)
+        views = stream.pack_views()
+        assert views is not None
+        next(views)  # the caller stops after one block: the reader thread still ends
+        views.close()  # type: ignore[attr-defined]
+    assert not any(t.name == "kvsieve-layers-ahead" for t in threading.enumerate())
+    for view in listed:
+        layer0 = np.ndarray((view.num_chunks, *view.chunk_shape), view.dtype, view.data, view.first)
+        start = view.block_index * 256
+        np.testing.assert_array_equal(
+            layer0[:, 0].transpose(1, 0, 2, 3).reshape(4, 256, 64), kv[0, 0, :, start : start + 256]
+        )
+
+
 # -- index work per promoted block: the same whatever the layers and chunks ------------------------
 
 

@@ -19,11 +19,12 @@ from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError, decode_chunk, encode_chunk
 from kvstore.format.layered_block import stored_records
 from kvstore.index.store_index import StoreIndex
+from kvstore.load.ahead import LayersAhead
 from kvstore.load.assemble import Destination
-from kvstore.load.fetch import RecordFetcher
+from kvstore.load.fetch import RecordFetcher, WholePack
 from kvstore.load.plan import LoadPlan
 from kvstore.load.read_layered import load_units, reads_whole
-from kvstore.load.read_packed import PackView, load_pack_units, pack_view
+from kvstore.load.read_packed import PackView, load_pack_units, pack_view, view_of_pack
 from kvstore.load.stream import BlockStream
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
@@ -33,6 +34,9 @@ from kvstore.values import LoadedChunk
 
 if TYPE_CHECKING:  # kvstore.tiers.remote.link imports redis: only a store with a remote tier loads it
     pass
+
+#: Packs a full load's reader thread reads ahead of the block being viewed (each one block's bytes).
+PACKS_AHEAD = 2
 
 
 class BlockReader:
@@ -66,26 +70,53 @@ class BlockReader:
 
     def _read_views(self, plan: LoadPlan, model: ModelSpec) -> Iterator[PackView | None]:
         """`read_blocks` of a plan of whole packed blocks, each as a `PackView` (no copy of what
-        memory holds; the promotion's copy of what a slower tier held): a lost, corrupt or
-        mismatched block yields None, is forgotten and ends it, as there."""
+        memory holds; a slower tier's pack is read into memory's arena and kept there): a lost,
+        corrupt or mismatched block yields None, is forgotten and ends it, as there. From the
+        first block memory lacks on, each pack is read (and its records' checksum verified) on a
+        thread of its own up to `PACKS_AHEAD` blocks ahead, while this one checks the headers and
+        promotes the block before: the reads and the host's work overlap instead of taking turns."""
         prefetch = _Prefetch(self.tiers.local_durable, plan)
-        for block_index, meta in enumerate(plan.blocks):
-            if not self.layer_records.all_in_memory(meta, []):
-                prefetch.start(block_index)
-            try:
-                view = pack_view(self.layer_records, meta, block_index, model)
-                failure = "chunk_misses" if view is None else ""
-            except GeometryError:
-                view, failure = None, "geometry_mismatches"
-            except ChecksumError:
-                view, failure = None, "checksum_failures"
-            if view is None:
-                self._counters.add(failure)
-                self.layer_records.forget(meta.key)
-                self._index.forget(meta.key)
-                yield None
-                return
-            yield view
+        ahead: LayersAhead[WholePack | None] | None = None
+        first = 0
+        try:
+            for block_index, meta in enumerate(plan.blocks):
+                if ahead is None and not self.layer_records.all_in_memory(meta, []):
+                    prefetch.start(block_index)
+                    ahead, first = self._packs_ahead(plan, model, block_index), block_index
+                view, failure = self._view(meta, block_index, model, ahead, first)
+                if view is None:
+                    self._counters.add(failure)
+                    self.layer_records.forget(meta.key)
+                    self._index.forget(meta.key)
+                    yield None
+                    return
+                yield view
+        finally:
+            if ahead is not None:
+                ahead.stop()
+
+    def _packs_ahead(self, plan: LoadPlan, model: ModelSpec, first: int) -> LayersAhead[WholePack | None]:
+        """Blocks `first`.. of `plan` read whole (`RecordFetcher.whole_pack`) on a reader thread."""
+        blocks, fetcher = plan.blocks[first:], self.layer_records
+        return LayersAhead(lambda i: fetcher.whole_pack(blocks[i], model), len(blocks), PACKS_AHEAD)
+
+    def _view(
+        self, meta: BlockMeta, block_index: int, model: ModelSpec,
+        ahead: LayersAhead[WholePack | None] | None, first: int,
+    ) -> tuple[PackView | None, str]:  # fmt: skip
+        """A block's view and, if there is none, the counter that says why."""
+        fetcher = self.layer_records
+        try:
+            if ahead is None:
+                view = pack_view(fetcher, meta, block_index, model)
+            else:
+                pack = ahead.get(block_index - first)  # raises what reading it raised
+                view = None if pack is None else view_of_pack(fetcher, meta, block_index, model, pack)
+            return view, "chunk_misses" if view is None else ""
+        except GeometryError:
+            return None, "geometry_mismatches"
+        except ChecksumError:
+            return None, "checksum_failures"
 
     def _read_blocks(
         self, plan: LoadPlan, model: ModelSpec, stream: BlockStream

@@ -117,8 +117,13 @@ def pack_view(fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: 
         ChecksumError: as `load_pack_units`.
     """
     pack = fetcher.whole_pack(meta, model)
-    if pack is None:
-        return None
+    return None if pack is None else view_of_pack(fetcher, meta, block_index, model, pack)
+
+
+def view_of_pack(
+    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: ModelSpec, pack: WholePack
+) -> PackView:
+    """`pack_view` of a pack `RecordFetcher.whole_pack` read already (a reader thread's)."""
     headers, layers = _verified_layers(fetcher, meta, pack, model)
     fetcher.promote_pack(meta, pack, headers, layers)
     read = (pack.tier, len(pack.data))

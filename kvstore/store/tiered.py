@@ -256,15 +256,19 @@ class TieredStore:
         self.counters.add_many({"score_reports": 1, "layout_drifted_blocks": drifted})
         return len(match.nodes)
 
-    def warm_reads(self, ahead_bytes: int) -> None:
+    def warm_reads(self, ahead_bytes: int, wait_s: float = 0.0) -> bool:
         """Fault in `ahead_bytes` of memory for the local disk tiers' reads now, in the background,
-        and keep that much ready (kvstore/tiers/disk/pread.py `WarmRanges`)."""
-        if self.arena_ahead is not None:
-            self.arena_ahead.keep_ahead(max(ahead_bytes, self.arena_ahead.ahead_bytes))
+        and keep that much ready (kvstore/tiers/disk/pread.py `WarmRanges`; the memory tier's arena
+        where it has one). With `wait_s`, wait up to that long for it (a benchmark's restarted
+        store, idle as a sidecar is after its start); False if it was not made within it."""
+        makers = [] if self.arena_ahead is None else [self.arena_ahead]
         for tier in self.tiers.durable:
             warm = getattr(tier, "warm_reads", None)
-            if warm is not None:
-                warm(ahead_bytes)
+            if warm is not None and (made := warm(ahead_bytes)) is not None:
+                makers.append(made)
+        if self.arena_ahead is not None:
+            self.arena_ahead.keep_ahead(max(ahead_bytes, self.arena_ahead.ahead_bytes))
+        return all(maker.wait(wait_s) for maker in makers) if wait_s else True
 
     def stats(self) -> StoreStats:
         self.leases.sweep()

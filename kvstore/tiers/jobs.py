@@ -131,8 +131,13 @@ class SegmentsAhead:
                 return False
 
     def close(self) -> None:
-        """Stop making segments (the one being made is finished). Idempotent."""
+        """Stop making segments (the one being made is finished); the arena still makes none in a
+        take. Idempotent."""
         self._thread.close()
+        # no cycle left between the arena and this: a closed store's segments go with its last
+        # reference, not at some later collection (a gen-2 collection freeing 256 MiB took 245 ms
+        # of the next store's load here)
+        self.arena.grow_ahead(_nothing)
 
     def _grow(self) -> None:
         try:
@@ -142,3 +147,7 @@ class SegmentsAhead:
                 self._growing = False
         if made:
             self.keep_ahead()  # the loads meanwhile may have taken it already
+
+
+def _nothing() -> None:
+    """What a closed `SegmentsAhead` leaves the arena to call after a take."""

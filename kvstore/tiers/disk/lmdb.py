@@ -37,11 +37,9 @@ from kvstore.tiers.jobs import JobThread, SegmentsAhead
 
 _MIN_MAP_BYTES = 64 << 20
 _UNBOUNDED_MAP_BYTES = 1 << 30
-# LMDB needs room beyond the payload: B-tree pages, and freed pages a reader still sees (not reused).
-_MAP_OVERHEAD = 2
+_MAP_OVERHEAD = 2  # LMDB needs room beyond the payload: B-tree pages, freed pages a reader still sees
 _MAX_READERS = 512
-# Readahead beyond a block's chunk bytes: the page headers of its overflow pages, and B-tree pages.
-_READ_SLACK = 256 << 10
+_READ_SLACK = 256 << 10  # readahead beyond a block's chunks: its overflow pages' headers, B-tree pages
 Block = tuple[BlockMeta, Sequence[bytes | memoryview]]
 
 
@@ -177,10 +175,12 @@ class LmdbTier:
             txn.put(meta.key, meta.to_bytes(), db=self._blocks_db)
             return True
 
-    def warm_reads(self, ahead_bytes: int) -> None:
-        """Make `ahead_bytes` of warm memory for reads now, in the background, and keep that much free."""
+    def warm_reads(self, ahead_bytes: int) -> SegmentsAhead | None:
+        """Make `ahead_bytes` of warm memory for reads in the background, and keep that much free;
+        returns what makes it (to wait for), None without warm reads."""
         if self._reader.warm is not None:
             self._reader.warm.keep_ahead(ahead_bytes)
+        return None if self._reader.warm is None else self._reader.warm.ahead
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
         """The chunks, read through one cursor: a block's chunk keys sort adjacently, so the

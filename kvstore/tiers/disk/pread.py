@@ -241,7 +241,9 @@ class WarmRanges:
 
     def keep_ahead(self, ahead_bytes: int | None = None) -> None:
         """Have segments made on the thread while less than `ahead_bytes` (given: from now on)
-        is free and room is left."""
+        is free and room is left (never less than the memory tier keeps, if the arena is its)."""
+        if ahead_bytes is not None and not self._owned:
+            ahead_bytes = max(ahead_bytes, self.ahead.ahead_bytes)
         self.ahead.keep_ahead(ahead_bytes)
 
     def usage(self) -> Any:

@@ -185,6 +185,19 @@ class KVTransfer:
         """Start copying `kv` to the host (a pooled buffer); `.result()` waits for it."""
         return self.copier.download(kv)
 
+    def download_layers(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, end: int, dtype: torch.dtype
+    ) -> PendingDownload:
+        """Start copying tokens [start, end) of every cache layer's (keys, values) to the host, as
+        one (layers, 2, kv_heads, tokens, head_dim) array in `dtype`, on the copy stream, straight
+        from the layers (kvstore/load/device.py `DeviceCopier.download_layers`)."""
+        return self.copier.download_layers(pairs, start, end, dtype)
+
+    def prepare_downloads(self, num_bytes: int, count: int) -> None:
+        """Have `count` buffers for downloads of `num_bytes` made now on a low-priority thread
+        (page-locked on CUDA), so that no store's copy off the device allocates in line."""
+        self.copier.pool.make_ahead(num_bytes, count)
+
 
 def copy_into_cache(layer: Any, kv: Array) -> None:
     """Copy a layer's loaded KV (2, heads, tokens, dim) into cache layer `layer`'s tensors, in place.

@@ -46,7 +46,7 @@ from engine_adapter.runner.prefill import (
     synchronize,
 )
 from engine_adapter.runner.sampling import Sampling
-from engine_adapter.runner.saver import BackgroundSaver
+from engine_adapter.runner.saver import DOWNLOAD_BUFFERS, BackgroundSaver, download_bytes
 from engine_adapter.runner.split import prefill_split
 from engine_adapter.runner.topup import TopUpSettings, decoding
 from kvstore.api import LoadStream, PrefixStore
@@ -123,6 +123,10 @@ class Engine:
         background = self.transfer.staged if background_stores is None else background_stores
         #: Where new blocks are stored off the request (None: in line, after the answer).
         self.saver = BackgroundSaver() if background and store is not None else None
+        if self.saver is not None and self.transfer.staged:  # stores' copies off the device land in
+            # buffers made now on a thread of their own, never allocated in line (saver.py)
+            positions = getattr(lm.model.config, "max_position_embeddings", None)
+            self.transfer.prepare_downloads(download_bytes(lm.spec.token_bytes, positions), DOWNLOAD_BUFFERS)
         self.store = store
         self.namespace = namespace
         self.collect_stats = collect_stats

@@ -14,6 +14,7 @@ need, and record their loads there (`last_load`, `last_layered`) for `generate -
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +38,7 @@ from kvstore.api import LoadStream, PrefixStore
 from kvstore.budget import Budget
 from kvstore.errors import KVSieveError
 from kvstore.load.buffers import StagingError
-from kvstore.load.device import as_array, as_tensor, torch_dtype
+from kvstore.load.device import PendingDownload, as_array, as_tensor, torch_dtype
 from kvstore.load.read_packed import PackView
 from kvstore.load.stream import LocalLoadStream
 
@@ -292,8 +293,9 @@ def store_new(
 
     On the CPU the store is made here. Through a staged transfer (CUDA) the KV leaves the device
     in pieces (engine_adapter/runner/saver.py `piece_ranges`): the first piece's copy starts here,
-    on the copy stream; the returned function waits for it, stores it, copies and stores the next
-    ones (`Engine.finish_store` runs it after the answer, or queues it on the engine's saver).
+    each layer from the cache on the copy stream into a pooled buffer made when the engine started;
+    the returned function waits for it, stores it from that buffer while the next piece is copied
+    (`Engine.finish_store` runs it after the answer, or queues it on the engine's saver).
     """
     store = engine.store
     block = None if store is None else store.info.block_tokens  # None for a sidecar: it drops partial blocks
@@ -323,22 +325,38 @@ def store_new(
         stored = put(start, end, as_array(piece(start, end)))
         return lambda: stored
     pieces = piece_ranges(start, end, block, spec.token_bytes)
+    pairs = list(zip(keys, values, strict=True))
     try:
-        first = transfer.download(piece(*pieces[0]))
+        first = transfer.download_layers(pairs, *pieces[0], dtype)
     except StagingError as exc:  # not stored: the answer does not depend on it
         transfer.last_error = str(exc)
         return None
 
-    def finish() -> int:
-        stored, pending = 0, first
-        for i, (a, b) in enumerate(pieces):
-            kv = pending.result()
-            if i + 1 < len(pieces):  # the next piece's copy runs while this one is stored
-                pending = transfer.download(piece(*pieces[i + 1]))
-            stored += put(a, b, kv)
-        return stored
+    return functools.partial(_store_pieces, transfer, pairs, pieces, dtype, first, put)
 
-    return finish
+
+def _store_pieces(
+    transfer: KVTransfer, pairs: list[tuple[torch.Tensor, torch.Tensor]], pieces: list[tuple[int, int]],
+    dtype: torch.dtype, first: PendingDownload, put: Callable[[int, int, np.ndarray[Any, Any]], int],
+) -> int:  # fmt: skip
+    """`store_new`'s store through a staged transfer: each piece stored from the buffer its copy
+    landed in (no copy out of it), the next piece's copy running meanwhile. Returns blocks stored."""
+    stored, pending = 0, first
+    for i, (a, b) in enumerate(pieces):
+        following = None
+        try:
+            if i + 1 < len(pieces):
+                following = transfer.download_layers(pairs, *pieces[i + 1], dtype)
+            with pending.held() as kv:
+                stored += put(a, b, kv)
+        except BaseException:
+            for left in (pending, following):  # waited for, their buffers back in the pool
+                if left is not None and left.buffer is not None:
+                    left.result()
+            raise
+        if following is not None:
+            pending = following
+    return stored
 
 
 def report_history(engine: PrefillEngine, prefix: Sequence[int], stats: AttentionStats) -> None:

@@ -4,6 +4,10 @@ On a device the new KV leaves the GPU on the copier's stream into pooled pinned 
 of at most `PIECE_BYTES` (a 32k-token prefix of an 8B model is 4.3 GB: one buffer of it would not
 fit the pool, and a piece is stored while the next one is copied). Each piece is a store of its
 own whole blocks (`kv_start`), in prompt order, so a store that stops half way keeps a prefix.
+The buffers are made when the engine starts (`DOWNLOAD_BUFFERS`, off its thread): page-locking
+the first one in line cost the first request 0.10-0.17 s on an H200 (issue 47, `e2e_store_vs_prefill`
+1.79 at 4k). So all the request does is issue the copies: each layer straight from the cache
+into the buffer (no stack of the layers on the device); encoding and the disk are the saver's.
 
 `BackgroundSaver` runs those stores on one thread of its own: the request returns once the copies
 are queued. Its queue is bounded in bytes; a store that does not fit is dropped and counted
@@ -25,6 +29,15 @@ logger = logging.getLogger(__name__)
 PIECE_BYTES = 256 << 20
 #: Bytes of KV the saver's queue holds at most (its pieces' pinned buffers are the pool's).
 QUEUE_BYTES = 2 << 30
+#: Download buffers made when an engine starts (one piece stored while the next one is copied).
+DOWNLOAD_BUFFERS = 2
+
+
+def download_bytes(token_bytes: int, max_positions: int | None) -> int:
+    """The largest piece a store copies off the device: `PIECE_BYTES`, or a whole prompt of the
+    model's longest (`max_positions`, None: unknown) if that is less (the buffers made ahead for
+    it need be no larger)."""
+    return max(1, min(PIECE_BYTES, token_bytes * (max_positions or PIECE_BYTES)))
 
 
 def piece_ranges(start: int, end: int, block_tokens: int | None, token_bytes: int) -> list[tuple[int, int]]:

@@ -11,6 +11,8 @@ same calls copy synchronously (events are None): the code path the tests run.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +59,21 @@ class PendingDownload:
             self.event.synchronize()
         array = np.array(as_array(self.staged))  # the buffer goes back to the pool: copy out of it
         self.pool.give(self.buffer)
-        self.source = None
+        self.buffer = self.source = None  # given back once only
         return array
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[Array]:
+        """The values where the copy put them, in the pooled buffer (waits for the copy): no copy
+        out of it; the buffer goes back to the pool when the block ends, so the caller must keep
+        no view of it past there (a Store copies what it keeps before it returns)."""
+        if self.event is not None:
+            self.event.synchronize()
+        try:
+            yield as_array(self.staged)
+        finally:
+            self.pool.give(self.buffer)
+            self.buffer = self.source = None  # given back once only
 
 
 class DeviceCopier:
@@ -178,6 +193,50 @@ class DeviceCopier:
             self.pool.give(buffer)
             raise StagingError(f"copying {num_bytes} bytes from {self.device} failed: {exc}") from exc
         return PendingDownload(staged, buffer, event, self.pool, source)
+
+    def download_layers(
+        self, pairs: Sequence[tuple[Any, Any]], start: int, end: int, dtype: Any
+    ) -> PendingDownload:
+        """Start copying tokens [start, end) of every layer's (keys, values), each (1, kv_heads,
+        tokens, head_dim) on the device, into one pooled buffer as (layers, 2, kv_heads, end -
+        start, head_dim) in torch dtype `dtype`; `.result()` or `.held()` waits for it. The layers
+        go where they lie, each on the copy stream (CPU: here): no stack of them on the device, no
+        new host memory where the pool has a buffer ready (`StagingPool.make_ahead`).
+
+        Raises:
+            StagingError: as for `upload`.
+        """
+        return _download_layers(self, pairs, start, end, dtype)
+
+
+def _download_layers(
+    copier: DeviceCopier, pairs: Sequence[tuple[Any, Any]], start: int, end: int, dtype: Any
+) -> PendingDownload:
+    """`DeviceCopier.download_layers` (see there)."""
+    import torch
+
+    layers, (_, heads, _, dim) = len(pairs), pairs[0][0].shape
+    shape = (layers, 2, heads, end - start, dim)
+    num_bytes = layers * 2 * heads * (end - start) * dim * torch.empty(0, dtype=dtype).element_size()
+    buffer = copier.pool.take(num_bytes)
+    staged = buffer[:num_bytes].view(dtype).view(shape)
+    if copier.stream is None:
+        for layer, (keys, values) in enumerate(pairs):
+            staged[layer, 0].copy_(keys[0, :, start:end])
+            staged[layer, 1].copy_(values[0, :, start:end])
+        return PendingDownload(staged, buffer, None, copier.pool)
+    try:
+        copier.follow_current()  # the KV was computed there
+        with torch.cuda.stream(copier.stream):
+            for layer, (keys, values) in enumerate(pairs):
+                staged[layer, 0].copy_(keys[0, :, start:end], non_blocking=True)
+                staged[layer, 1].copy_(values[0, :, start:end], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(copier.stream)
+    except RuntimeError as exc:
+        copier.pool.give(buffer)
+        raise StagingError(f"copying {num_bytes} bytes from {copier.device} failed: {exc}") from exc
+    return PendingDownload(staged, buffer, event, copier.pool, list(pairs))
 
 
 def torch_dtype(dtype: np.dtype[Any]) -> Any:

@@ -41,6 +41,7 @@ import torch
 
 from bench.datapath.gpu_choice import choice_figures
 from bench.datapath.gpu_engine import shape_figures
+from bench.datapath.store_inline import store_inline_figures
 from engine_adapter.runner.device import KVTransfer
 from engine_adapter.runner.model import LoadedModel, kv_dtype, random_llama, spec_from_config
 from kvstore.load.device import DeviceCopier
@@ -60,6 +61,7 @@ def run(quick: bool = False, dtype: str = "float16") -> dict[str, Any]:
     result: dict[str, Any] = {"cuda_available": torch.cuda.is_available()}
     result.update(_cpu_side(tokens=512 if quick else 4096))
     result.update(_cpu_choice(quick))
+    result.update(store_inline_figures(quick))  # what storing runs in line, on the CPU (issue 47)
     if not torch.cuda.is_available():
         result["cuda_unavailable"] = f"torch {torch.__version__} sees no CUDA device"
         return result

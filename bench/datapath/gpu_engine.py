@@ -147,6 +147,8 @@ def _cold(
     and the store reopened: every byte comes from the disk."""
     _evict(config)
     with TieredStore(config) as store:
+        # a sidecar makes its memory ahead after it starts, before requests come: so does this store
+        store.warm_reads(config.warm_read_ahead_bytes, wait_s=30.0)
         engine = _engine(lm, store, costs, split, query_aware)
         if costs.disk_probe is not None:  # the disk's rate, read at store open: no request waits for it
             costs.disk_probe.join(60)  # here the request follows at once: it must not share the disk

@@ -60,6 +60,11 @@ class StoreConfig:
             a full load reads one value per block). False writes layout v2, a value per layer
             record, which stores older than v3 read: for a remote tier shared with them during
             an upgrade. Both are read whatever this says.
+        read_in_place: a full load into a co-located client's shared-memory arena copies a packed
+            block from where it lies (memory's copy, or LMDB's map when the page cache holds all
+            of it, checked there and not promoted) straight into the arena: each byte copied
+            once. False reads such a block from disk with pread first and promotes it, as before
+            (docs/performance.md, issue 47 item 4).
         sync_stores: write each Store's blocks to disk before acknowledging it (one synced LMDB
             transaction per Store). False: a Store is acknowledged once memory holds its blocks
             and lookups see them; the disk gets them behind, in group commits, and a crash loses
@@ -101,6 +106,7 @@ class StoreConfig:
     layout: str = "layered"
     layer_chunk_tokens: int = 8
     layered_pack: bool = True
+    read_in_place: bool = True
     sync_stores: bool = False
     commit_blocks: int = 64
     commit_ms: float = 5.0

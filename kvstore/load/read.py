@@ -22,6 +22,7 @@ from kvstore.index.store_index import StoreIndex
 from kvstore.load.ahead import LayersAhead
 from kvstore.load.assemble import Destination
 from kvstore.load.fetch import RecordFetcher, WholePack
+from kvstore.load.place import PackPlacer
 from kvstore.load.plan import LoadPlan
 from kvstore.load.read_layered import load_units, reads_whole
 from kvstore.load.read_packed import PackView, load_pack_units, pack_view, view_of_pack
@@ -55,6 +56,7 @@ class BlockReader:
         self.tiers = tiers
         self._counters = counters
         self.layer_records = RecordFetcher(tiers, index, counters)  # the layered layout's reads
+        self._placer = PackPlacer(self.layer_records, index, counters, config.read_in_place)
 
     def read_blocks(self, plan: LoadPlan, model: ModelSpec) -> BlockStream:
         """Each planned block's chunks of `model`, verified whole before it is yielded. A block lost
@@ -66,6 +68,8 @@ class BlockReader:
         whole = zip(plan.blocks, plan.chunks, strict=True)
         if plan.blocks and all(_whole_pack_planned(meta, units) for meta, units in whole):
             stream.views = lambda: self._read_views(plan, model)
+            prefetch = _Prefetch(self.tiers.local_durable, plan).start
+            stream.place = lambda out: self._placer.place(plan, model, out, prefetch)
         return stream
 
     def _read_views(self, plan: LoadPlan, model: ModelSpec) -> Iterator[PackView | None]:

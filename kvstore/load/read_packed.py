@@ -168,6 +168,29 @@ def held_view(fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: 
     )  # fmt: skip
 
 
+def raw_pack_view(
+    fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: ModelSpec, pack: WholePack
+) -> PackView | None:
+    """A pack of raw records of one size as a `PackView` of its own bytes, every header checked
+    against the geometry `meta` and `model` imply: for a pack whose records' checksum the caller
+    checks itself (one read in place, kvstore/load/place.py). Nothing is promoted, counted or
+    decoded; None if its records are not raw ones of one size.
+
+    Raises:
+        ChecksumError: its first header fails its checks (GeometryError: of other geometry).
+    """
+    headers = _raw_headers_at_once(fetcher, meta, pack, model)
+    if headers is None:
+        return None
+    first = headers[0]
+    positions = meta.start + np.arange(meta.chunks_per_layer * meta.chunk_tokens, dtype=np.int64)
+    stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
+    return PackView(
+        block_index, positions, pack.data, pack.offsets[0] + first.size, stride,
+        first.total_bytes - first.size, first.chunk_shape(), first.dtype, pack.tier, len(pack.data),
+    )  # fmt: skip
+
+
 def _decoded(meta: BlockMeta, pack: WholePack, headers: list[LayerHeader], model: ModelSpec) -> list[Array]:
     """Every layer's chunks of a pack whose headers were verified together (raw records)."""
     return [

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import numpy as np
 
 from kvstore.load.assemble import Destination, place_chunks
+from kvstore.load.place import Placed
 from kvstore.load.read_packed import PackView
 from kvstore.model import ModelSpec
 from kvstore.values import Array, LoadedChunk
+
+Delivered = TypeVar("Delivered", PackView, Placed)  # a whole block: its positions and bytes read
 
 
 class BlockStream(Iterator[list[LoadedChunk] | None]):
@@ -27,6 +31,9 @@ class BlockStream(Iterator[list[LoadedChunk] | None]):
         #: Where every planned block is a whole pack: the blocks as `PackView`s instead (a block
         #: lost: None, which ends them), read in place of `blocks` (`LocalLoadStream.pack_views`).
         self.views: Callable[[], Iterator[PackView | None]] | None = None
+        #: Where every planned block is a whole pack: the blocks copied into a caller's array at the
+        #: slots of their positions instead (kvstore/load/place.py), read in place of `blocks`.
+        self.place: Callable[[Array], Iterator[Placed | None]] | None = None
 
     def __next__(self) -> list[LoadedChunk] | None:
         return next(self.blocks)
@@ -148,7 +155,21 @@ class LocalLoadStream:
             return None
         return self._views(self._blocks.views())
 
-    def _views(self, views: Iterator[PackView | None]) -> Iterator[PackView]:
+    def place_into(self, out: Array) -> Iterator[Placed] | None:
+        """The rest of the stream copied straight into `out` (layers, 2, kv_heads, slots, head_dim),
+        each token at the slot of its position, block by block (each yielded once it is there and
+        verified), where every planned block is a whole pack, all fit `out` and nothing was read
+        yet; else None (read the chunks). Each block's bytes are copied once, from memory's pack or
+        from the page cache (kvstore/load/place.py). A lost block ends it, as it ends the chunks;
+        slots past the blocks yielded may hold anything."""
+        if self._pending or self._blocks_read or not isinstance(self._blocks, BlockStream):
+            return None
+        place = self._blocks.place
+        if place is None or self._on_finish is None or self.matched_tokens > out.shape[3]:
+            return None
+        return self._views(place(out))
+
+    def _views(self, views: Iterator[Delivered | None]) -> Iterator[Delivered]:
         for view in views:
             if self._on_finish is None:  # closed meanwhile
                 return

@@ -7,11 +7,12 @@ keeps its books without the server noticing. `TieredStore` implements it.
 
 from __future__ import annotations
 
-from collections.abc import Set
-from typing import Protocol
+from collections.abc import Iterator, Set
+from typing import Protocol, runtime_checkable
 
 from importance.lowbit import LowBitKeys
 from kvstore.api import LayeredLoad, PrefixStore, Tokens
+from kvstore.load.place import Placed
 from kvstore.model import ModelSpec
 from kvstore.values import DEFAULT_NAMESPACE, Array
 
@@ -26,6 +27,17 @@ class LowBitLayers(LayeredLoad, Protocol):
     @property
     def pinned_keys(self) -> tuple[bytes, ...]:
         """Keys of the blocks the load keeps pinned until it is closed (empty once closed)."""
+        ...
+
+
+@runtime_checkable
+class PlacingStream(Protocol):
+    """A load stream that can copy whole blocks straight into an arena (the embedded store's)."""
+
+    def place_into(self, out: Array) -> Iterator[Placed] | None:
+        """The rest of the stream copied into `out` (layers, 2, kv_heads, slots, head_dim), each token
+        at the slot of its position, one `Placed` per block once it is there and verified; None
+        where this load cannot (then read its chunks). See kvstore/load/stream.py."""
         ...
 
 

@@ -15,6 +15,7 @@ from kvstore.load.assemble import Array, Copy, run_copies
 from kvstore.model import ModelSpec
 from kvstore.rpc.messages import kv_from_bytes
 from kvstore.rpc.shm import ServerArena, dense_view
+from kvstore.server.backend import PlacingStream
 from kvstore.server.batch_wire import encode_batch
 from kvstore.server.limits import within
 from kvstore.values import LoadedChunk
@@ -35,17 +36,23 @@ class ChunkWriter:
         self._payloads: list[Array | None] = []
         # Slot = position: the client gets the prefix in position order, no reorder copy.
         self.by_position = by_position and self._dense is not None
+        # Whole blocks copied straight into the arena, each byte once (kvstore/load/place.py)
+        self._placed = None
+        if self.by_position and self._dense is not None and isinstance(stream, PlacingStream):
+            self._placed = stream.place_into(self._dense)
 
     def close(self) -> None:
         """Drop every view of the arena, so it can be unmapped the moment the load ends (an
         ended call's frames may outlive it, in a traceback grpc keeps). Idempotent."""
         self._dense, self._copies, self._payloads = None, [], []
-        self._chunks = iter(())
+        self._chunks, self._placed = iter(()), None
 
     def next_batch(self, max_chunks: int, max_bytes: int, max_shm_chunks: int = 0) -> bytes | None:
         """One serialized `LoadResponse` batch with up to `max_chunks` inline chunks and about
         `max_bytes` inline bytes, or up to `max_shm_chunks` (default `max_chunks`) chunks in
         all when they went to shm (kvstore/server/batch_wire.py serializes it)."""
+        if self._placed is not None:
+            return self._placed_batch(max(max_chunks, max_shm_chunks))
         response = pb.LoadResponse()
         batch = response.batch
         inline = inline_chunks = 0
@@ -62,6 +69,24 @@ class ChunkWriter:
                 break
         run_copies(self._copies)
         return encode_batch(batch.chunks, self._payloads) if len(batch.chunks) else None
+
+    def _placed_batch(self, max_blocks: int) -> bytes | None:
+        """A batch of up to `max_blocks` whole blocks copied into the arena, one chunk message each
+        (its slots are its positions), each sent only once its block is there and verified."""
+        assert self._placed is not None
+        response = pb.LoadResponse()
+        chunks = response.batch.chunks
+        for placed in self._placed:
+            message = chunks.add()
+            message.block_index, message.tier = placed.block_index, placed.tier
+            if self._packed:
+                message.positions_u32le = placed.positions.astype("<u4").tobytes()
+            else:
+                message.positions.extend(placed.positions.tolist())
+            message.shm.slot, message.shm.num_tokens = int(placed.positions[0]), len(placed.positions)
+            if len(chunks) == max_blocks:
+                break
+        return response.SerializeToString() if len(chunks) else None
 
     def _fill(self, message: pb.Chunk, chunk: LoadedChunk) -> int:
         """Fill `message`; returns the bytes placed inline (0 when they went to shm)."""

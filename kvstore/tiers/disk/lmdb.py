@@ -187,19 +187,25 @@ class LmdbTier:
         cursor stays on the same leaf page; each value is located by its node, none of its pages
         touched (kvstore/tiers/disk/locate.py), and read with pread (kvstore/tiers/disk/pread.py)."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
-            cursor = txn.cursor()
-            places = [
-                self._nodes.place(txn, cursor, chunk_key(meta.key, meta.layout_version, i)) for i in indices
-            ]
+            cursor, version = txn.cursor(), meta.layout_version
+            places = [self._nodes.place(txn, cursor, chunk_key(meta.key, version, i)) for i in indices]
             return self._reader.read(places)  # inside the transaction: no page of it is reused
 
     def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
         """Slices of one value, read with pread inside the read transaction (only those bytes)."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
             value = txn.get(chunk_key(meta.key, meta.layout_version, index))
-            if value is None:
-                return None
-            return self._reader.slices(value, ranges)
+            return None if value is None else self._reader.slices(value, ranges)
+
+    @contextmanager
+    def value_in_place(self, meta: BlockMeta, index: int) -> Iterator[memoryview | None]:
+        """Record `index` of a block where it lies in the map, read-only, if the page cache holds all
+        of it (kvstore/tiers/disk/resident.py), else None: valid inside the `with` only, which holds
+        a read transaction (so make no other read of this tier in it: they must not nest)."""
+        with self._read_txn(self._chunks_db, buffers=True) as txn:
+            cursor = txn.cursor()
+            place = self._nodes.place(txn, cursor, chunk_key(meta.key, meta.layout_version, index))
+            yield None if place is None else self._reader.in_place(place, cursor.key())
 
     def value_spans(self, requests: Sequence[tuple[BlockMeta, int]]) -> list[tuple[int, int] | None]:
         """(data file offset, bytes) of each record (`meta`, index), None where not held, located
@@ -227,11 +233,7 @@ class LmdbTier:
         """Have the kernel read these blocks' chunks in the background, so a load's disk reads
         overlap the verification and copies of the chunks before them. Returns at once: the
         hint thread locates the values and calls posix_fadvise. Errors are left to the reads."""
-        wanted = [
-            (meta.key, meta.layout_version, min(indices), meta.nbytes)
-            for meta, indices in requests
-            if indices
-        ]
+        wanted = [(m.key, m.layout_version, min(units), m.nbytes) for m, units in requests if units]
         self._hints.submit(lambda: self._hint(wanted))
 
     def _hint(self, wanted: list[tuple[bytes, int, int, int]]) -> None:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstore.tiers.arena import HostArena
+from kvstore.tiers.disk.resident import resident, view_at
 from kvstore.tiers.disk.spans import SpanReads
 from kvstore.tiers.jobs import SegmentsAhead
 
@@ -97,6 +98,22 @@ class MapReader:
         if hasattr(os, "posix_fadvise"):
             for offset, nbytes in spans:
                 os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+    def in_place(self, place: Any, anchor: Any) -> memoryview | None:
+        """A value where it lies in the map, read-only, if the page cache holds every page of it
+        (kvstore/tiers/disk/resident.py), else None. `place` as `read` takes it (a view into the
+        map, or a (file offset, bytes) place); `anchor`: any view into the map (a cursor's key)."""
+        if not isinstance(place, tuple):  # a view py-lmdb handed out: its pages were touched
+            return memoryview(place).cast("B").toreadonly()
+        offset, nbytes = place
+        mapping = self._locate([address_range(anchor)])
+        if (
+            mapping is None
+            or not mapping.offset <= offset <= mapping.offset + mapping.end - mapping.start - nbytes
+        ):
+            return None  # not in the map that holds the anchor (LMDB maps the whole file at once)
+        address = mapping.start + offset - mapping.offset
+        return view_at(address, nbytes) if resident(address, nbytes) else None
 
     @property
     def mapped(self) -> bool:

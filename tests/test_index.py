@@ -14,6 +14,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import StoreFullError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.index.store_index import StoreIndex
+from kvstore.load import plan as plan_module
 from kvstore.load.plan import plan_load
 from kvstore.stats import Counters
 from kvstore.tiers import create_tier
@@ -148,3 +149,24 @@ def test_load_plan_selects_the_chunk_holding_the_top_scored_tokens() -> None:
     plan = plan_load(index.match(ROOT, a.tokens), 0.25)
     assert (plan.matched_tokens, plan.selected_tokens, plan.chunks) == (8, 2, [[3]])
     assert [m.key for m in plan.blocks] == [a.key]
+
+
+@pytest.mark.parametrize("budget", [1.0, 8, 100])
+def test_a_budget_holding_every_token_plans_every_chunk_in_order_without_ranking(
+    budget: float | int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = make_block(21)
+    index = index_over(MemoryTier(1 << 20))
+    index.insert(ROOT, replace(a, scores=np.arange(8, dtype=np.float32)[::-1].copy()))
+    match = index.match(ROOT, a.tokens)
+    ranked = plan_load(match, 7)  # one token short: ranked, and it still takes every chunk
+
+    def no_ranking(*args: object) -> None:
+        raise AssertionError("ranked the chunks of a load that takes them all")
+
+    monkeypatch.setattr(plan_module, "select_chunks", no_ranking)
+    monkeypatch.setattr(plan_module, "rank_chunks", no_ranking)
+    plan = plan_load(match, budget)
+    assert plan.chunks == ranked.chunks == [[0, 1, 2, 3]]
+    assert plan.selected_tokens == ranked.selected_tokens == 8
+    assert plan.estimated_coverage == 1.0 and ranked.estimated_coverage == pytest.approx(1.0)

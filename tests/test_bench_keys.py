@@ -15,7 +15,9 @@ PUBLISHED = {
     "lookup_p50_us lookup_p99_us lookup_p50_ms lookup_p99_ms store_grpc_mb_s store_shm_mb_s "
     "store_shm_vs_grpc grpc_floor_mb_s grpc_vs_floor unary_floor_p50_ms unary_floor_p99_ms "
     "lookup_vs_unary_floor store_shm_ack_mb_s store_shm_write_behind_mb_s store_shm_sync_mb_s "
-    "store_shm_vs_sync write_behind_mb_s sequential_write_mb_s write_behind_vs_sequential_write",
+    "store_shm_vs_sync write_behind_mb_s sequential_write_mb_s write_behind_vs_sequential_write "
+    "restart_fetch_s restart_fetch_pread_s restart_fetch_memcpy_s restart_fetch_vs_pread "
+    "restart_fetch_vs_memcpy",
     "ttft": "ttft_speedup_disk_2048 ttft_speedup_budget_2048 top1_budget_0_25 kl_budget_0_25 stats_overhead "
     "floor_s ttft_vs_floor ttft_speedup_layered_2048 cold_read_vs_disk cold_read_vs_disk_layered",
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "

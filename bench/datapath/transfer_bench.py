@@ -3,7 +3,8 @@
 Measured in one run against a real `kvsieve serve` process on loopback:
 the gRPC stream, the shared-memory path, a plain loopback TCP socket sending the
 same bytes, and memcpy. Every path places the KV into a preallocated array, as
-an engine does. Lookup latency is taken with 8 concurrent clients.
+an engine does. Lookup latency is taken with 8 concurrent clients. A restarted
+sidecar's first loads, from the page cache, are bench/datapath/restart_fetch.py's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.common.sidecar import Sidecar
 from bench.datapath import grpc_floor
 from bench.datapath.disk_write import write_behind_vs_sequential
+from bench.datapath.restart_fetch import restart_fetch
 from bench.datapath.store_bench import SMOLLM2_SHAPE
 from kvstore.client.kvclient import KVClient
 from kvstore.load.assemble import place_chunks
@@ -54,6 +56,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             server.kill()
             synced.kill()
         result |= write_behind_vs_sequential(Path(tmp), MODEL, kv, 2 if quick else 4, 1 if quick else 3)
+        result |= restart_fetch(
+            Path(tmp) / "restart", MODEL, num_tokens, 3 if quick else 5, 1 if quick else 3
+        )
     result["raw_tcp_mb_s"] = round(_tcp_mb_s(kv.nbytes, repeats), 1)
     result["grpc_floor_mb_s"] = round(_grpc_floor_mb_s(kv.nbytes, repeats), 1)
     result["grpc_vs_floor"] = round(result["grpc_stream_mb_s"] / result["grpc_floor_mb_s"], 3)

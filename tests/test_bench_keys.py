@@ -17,7 +17,7 @@ PUBLISHED = {
     "lookup_vs_unary_floor store_shm_ack_mb_s store_shm_write_behind_mb_s store_shm_sync_mb_s "
     "store_shm_vs_sync write_behind_mb_s sequential_write_mb_s write_behind_vs_sequential_write "
     "restart_fetch_s restart_fetch_pread_s restart_fetch_memcpy_s restart_fetch_vs_pread "
-    "restart_fetch_vs_memcpy",
+    "restart_fetch_vs_memcpy restart_fetch_cache_drops",
     "ttft": "ttft_speedup_disk_2048 ttft_speedup_budget_2048 top1_budget_0_25 kl_budget_0_25 stats_overhead "
     "floor_s ttft_vs_floor ttft_speedup_layered_2048 cold_read_vs_disk cold_read_vs_disk_layered",
     "readamp": "read_amp_importance_0_25 read_amp_natural_0_25 top1_importance_0_25 kl_importance_0_25 "
@@ -73,7 +73,8 @@ PUBLISHED = {
     "speedup_restart_vs_recompute kvsieve_vs_example_connector kvsieve_vs_prefix_cache "
     "ttft_kvsieve_miss_s miss_overhead first_token_mismatches ttft_kvsieve_warm_s "
     "kvsieve_warm_vs_prefix_cache hit_lookup_s hit_fetch_s hit_copy_s hit_vllm_s warm_fetch_s "
-    "miss_lookup_s miss_save_copy_s miss_vllm_s miss_store_s example_connector_loads_verified",
+    "miss_lookup_s miss_save_copy_s miss_vllm_s miss_store_s example_connector_loads_verified "
+    "page_cache_drops",
     "events": "events_lost store_throughput_events_vs_off store_throughput_events_vs_off_disk "
     "store_p50_replay_flood_vs_quiet store_p50_after_replay_flood_vs_quiet replay_flood_refused",
 }

@@ -199,12 +199,11 @@ class LmdbTier:
 
     @contextmanager
     def value_in_place(self, meta: BlockMeta, index: int) -> Iterator[memoryview | None]:
-        """Record `index` of a block where it lies in the map, read-only, if the page cache holds all
-        of it (kvstore/tiers/disk/resident.py), else None: valid inside the `with` only, which holds
-        a read transaction (so make no other read of this tier in it: they must not nest)."""
+        """Record `index` of a block in the map, read-only, if the page cache holds it all (disk/resident.py),
+        else None; valid in the `with` only, a read transaction (make no other read of this tier in it)."""
         with self._read_txn(self._chunks_db, buffers=True) as txn:
-            cursor = txn.cursor()
-            place = self._nodes.place(txn, cursor, chunk_key(meta.key, meta.layout_version, index))
+            cursor, key = txn.cursor(), chunk_key(meta.key, meta.layout_version, index)
+            place = self._nodes.place(txn, cursor, key)
             yield None if place is None else self._reader.in_place(place, cursor.key())
 
     def value_spans(self, requests: Sequence[tuple[BlockMeta, int]]) -> list[tuple[int, int] | None]:
@@ -239,8 +238,7 @@ class LmdbTier:
     def _hint(self, wanted: list[tuple[bytes, int, int, int]]) -> None:
         """Locate each block's first chunk and hint its bytes at once, in load order: the disk
         reads block 1 while block 2's B-tree page is still being faulted in."""
-        hint_errors = contextlib.suppress(lmdb.Error, OSError)
-        with hint_errors, self._read_txn(self._chunks_db, buffers=True) as txn:
+        with contextlib.suppress(lmdb.Error, OSError), self._read_txn(self._chunks_db, buffers=True) as txn:
             places = self._spans(txn, [chunk_key(key, version, first) for key, version, first, _ in wanted])
             for (*_, nbytes), place in zip(wanted, places, strict=True):  # a block's chunks lie in order
                 if place is not None:

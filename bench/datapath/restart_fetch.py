@@ -30,7 +30,6 @@ import numpy as np
 from bench.common.sidecar import Sidecar
 from bench.common.warm import cache_drops, warm_files
 from kvstore.client.kvclient import KVClient
-from kvstore.config import store_lmdb_dir
 from kvstore.model import ModelSpec
 
 #: Pause after a restart before the first load, as while vLLM starts again (the sidecar makes its
@@ -106,7 +105,7 @@ def _first_loads(sidecar: Sidecar, tokens: list[Any], model: ModelSpec) -> tuple
         sidecar.start()
         try:
             time.sleep(SETTLE_S)
-            warm_files(store_lmdb_dir(sidecar.data_dir) / "data.mdb")
+            warm_files(*sidecar.data_dir.rglob("*.mdb"))  # the LMDB files
             before = cache_drops()
             with KVClient(sidecar.address) as client:
                 _fetch(client, tokens[0], model)

@@ -51,7 +51,6 @@ from bench.common.sidecar import Sidecar
 from bench.common.texts import QUESTION, token_windows
 from bench.common.warm import cache_drops, warm_files
 from bench.vllm.concurrency import run_load, sidecar_config
-from kvstore.config import store_lmdb_dir
 
 DOC_TOKENS = 2048
 #: Pause before each side-by-side prompt: the other process's threads and the sidecar go idle.
@@ -147,10 +146,7 @@ def run(quick: bool = False, concurrency: int = 0) -> dict[str, Any]:
     out["example_connector_loads_verified"] = example_verified
     vs_example = ttft["example_connector"] / ttft["kvsieve_restart"]
     out["kvsieve_vs_example_connector"] = round(vs_example, 2) if example_verified else None
-    # The page cache dropped by another job during (c) or (d): those loads read the disk in part.
-    out["page_cache_drops"] = sum(
-        int(modes[m][0].parts.get("cache_drops", 0)) for m in ("example_connector", "kvsieve_restart")
-    )
+    out["page_cache_drops"] = _cache_drops(modes)
     out["kvsieve_vs_prefix_cache"] = round(ttft["kvsieve_restart"] / ttft["prefix_cache"], 2)
     out["kvsieve_warm_vs_prefix_cache"] = round(ttft["kvsieve_warm"] / ttft["prefix_cache"], 2)
     out |= breakdown("hit", modes["kvsieve_restart"], ("lookup", "fetch", "copy"))
@@ -166,6 +162,11 @@ def run(quick: bool = False, concurrency: int = 0) -> dict[str, Any]:
         "model": model.name,
     }
     return out | load
+
+
+def _cache_drops(modes: dict[str, list[Answer]]) -> int:
+    """Drops of the page cache by other jobs during (c)'s and (d)'s timed loads (which then read the disk)."""
+    return sum(int(modes[m][0].parts.get("cache_drops", 0)) for m in ("example_connector", "kvsieve_restart"))
 
 
 def breakdown(
@@ -306,7 +307,7 @@ def _kvsieve_restart(run: Setup) -> list[list[Answer]]:
     sidecar.start()
     driver = _driver(model, config("default"), options)
     try:
-        warm_files(store_lmdb_dir(sidecar.data_dir) / "data.mdb")  # warm, as for (c)
+        warm_files(*sidecar.data_dir.rglob("*.mdb"))  # the LMDB files: warm, as for (c)
         before = cache_drops()
         cold = [_ttft(driver, p, timings) for p in prompts]
         warm = [_ttft(driver, p, timings) for p in prompts]

@@ -132,11 +132,7 @@ def view_of_pack(
     positions = meta.start + np.arange(meta.chunks_per_layer * meta.chunk_tokens, dtype=np.int64)
     first = headers[0]
     if not layers and _stacked(pack, headers) is not None:
-        stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
-        return PackView(
-            block_index, positions, pack.data, pack.offsets[0] + first.size, stride,
-            first.total_bytes - first.size, first.chunk_shape(), first.dtype, *read,
-        )  # fmt: skip
+        return _view_in_place(meta, block_index, pack, headers, *read)
     # compressed records memory could not take, or raw ones of several sizes: one array of them
     joined = np.stack(layers) if layers else np.stack(_decoded(meta, pack, headers, model))
     return PackView(
@@ -159,13 +155,7 @@ def held_view(fetcher: RecordFetcher, meta: BlockMeta, block_index: int, model: 
     headers, layers = _verified_layers(fetcher, meta, pack, model)
     if layers or _stacked(pack, headers) is None:
         return None
-    first = headers[0]
-    positions = meta.start + np.arange(meta.chunks_per_layer * meta.chunk_tokens, dtype=np.int64)
-    stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
-    return PackView(
-        block_index, positions, pack.data, pack.offsets[0] + first.size, stride,
-        first.total_bytes - first.size, first.chunk_shape(), first.dtype, pack.tier, 0,
-    )  # fmt: skip
+    return _view_in_place(meta, block_index, pack, headers, pack.tier, 0)
 
 
 def raw_pack_view(
@@ -182,12 +172,19 @@ def raw_pack_view(
     headers = _raw_headers_at_once(fetcher, meta, pack, model)
     if headers is None:
         return None
+    return _view_in_place(meta, block_index, pack, headers, pack.tier, len(pack.data))
+
+
+def _view_in_place(
+    meta: BlockMeta, block_index: int, pack: WholePack, headers: list[LayerHeader], tier: str, nbytes: int
+) -> PackView:
+    """A `PackView` of `pack`'s own bytes, its records raw and of one size (`headers`, verified)."""
     first = headers[0]
     positions = meta.start + np.arange(meta.chunks_per_layer * meta.chunk_tokens, dtype=np.int64)
     stride = pack.offsets[1] - pack.offsets[0] if len(headers) > 1 else first.total_bytes
     return PackView(
         block_index, positions, pack.data, pack.offsets[0] + first.size, stride,
-        first.total_bytes - first.size, first.chunk_shape(), first.dtype, pack.tier, len(pack.data),
+        first.total_bytes - first.size, first.chunk_shape(), first.dtype, tier, nbytes,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ Each block is one strided copy of every layer into its slots.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -34,7 +34,6 @@ from kvstore.errors import ChecksumError
 from kvstore.format.block_meta import BlockMeta
 from kvstore.format.chunk import GeometryError
 from kvstore.format.layer_pack import parse_table, split_pack
-from kvstore.index.store_index import StoreIndex
 from kvstore.load.fetch import RecordFetcher, WholePack
 from kvstore.load.plan import LoadPlan
 from kvstore.load.read_layered import layer_units_view
@@ -42,6 +41,9 @@ from kvstore.load.read_packed import PackView, held_view, pack_view, raw_pack_vi
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
 from kvstore.values import Array
+
+if TYPE_CHECKING:  # the thin client imports this module's `Placed`: never the store's index
+    from kvstore.index.store_index import StoreIndex
 
 #: Views of packs read in place kept (each a few hundred bytes: no bytes of the pack).
 _MAX_VIEWS = 1 << 14

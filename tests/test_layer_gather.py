@@ -4,7 +4,9 @@ Real LMDB, real files. What is checked: the runs a choice makes; a layer's chunk
 from the packs memory holds (nothing read from disk) and, on a restarted store, by offset from the
 data file (a header per touched block and the chunks, nothing else, in one parallel submission);
 a chunk corrupted on disk is refused and its block forgotten, as the per-block path does; the
-speculative hint names only what the disk serves; the span reader fills scattered buffers.
+speculative hint names only what the disk serves; the span reader fills scattered buffers and reads
+what the page cache lacks of a span from where the cache's part ended; a cold load's summaries of
+every block memory lacks come from the disk in one call.
 """
 
 from __future__ import annotations
@@ -156,6 +158,75 @@ def test_the_span_reader_fills_scattered_buffers_in_parallel(tmp_path: Path) -> 
         os.close(fd)
     with pytest.raises(OSError, match="closed"):
         reads.read(spans * 2)
+
+
+def test_a_span_the_page_cache_holds_in_part_is_read_on_from_there_never_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = np.random.default_rng(6).integers(0, 256, 4 << 20, dtype=np.uint8)
+    path = tmp_path / "file"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    reads, returned = SpanReads(fd, threads=2), []
+    real = os.preadv
+
+    def counted(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        got = real(fd, buffers, offset, *flags)
+        returned.append((offset, got))
+        return got
+
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 1 << 20, 0)  # the first MiB in the page cache, the rest (mostly) not
+        monkeypatch.setattr(os, "preadv", counted)
+        out = np.zeros(4 << 20, np.uint8)
+        assert reads.read([(0, [out[: 1 << 20].data, out[1 << 20 :].data])]) == [4 << 20]
+        assert out.tobytes() == data.tobytes()
+        cached = returned[0][1]  # RWF_NOWAIT: what the page cache held, from the start
+        if cached == 4 << 20:
+            pytest.skip("the page cache kept the whole file (dropping pages is advice)")
+        # main read the span again from its start after a partial RWF_NOWAIT read
+        assert returned[1][0] == cached and sum(got for _, got in returned) == 4 << 20
+    finally:
+        reads.close()
+        os.close(fd)
+
+
+def test_a_cold_load_reads_the_summaries_of_every_block_memory_lacks_in_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block after block, the first layer's summaries waited for one disk read per block in turn
+    (~100 ms of a cold 4,096-token 8B-shaped load): the disk tier now reads them all at once,
+    in parallel, but those of blocks memory holds."""
+    from kvstore.tiers.disk.lmdb import LmdbTier
+
+    toks, kv = make_tokens(N, seed=8), make_kv(TINY, N, seed=8)
+    with TieredStore(_config(tmp_path)) as store:
+        store.store(toks, kv, model=TINY)
+        with store.open_layers(toks, model=TINY) as load:
+            warm = [load.packed_summary(layer) for layer in range(TINY.num_layers)]
+    calls: list[list[int]] = []
+    real = LmdbTier.get_many
+
+    def watched(self: LmdbTier, requests: Any) -> Any:
+        calls.append([len(indices) for _, indices in requests])
+        return real(self, requests)
+
+    monkeypatch.setattr(LmdbTier, "get_many", watched)
+    with TieredStore(_config(tmp_path)) as store:  # restarted: every summary on disk only
+        with store.open_layers(toks[: 2 * B], model=TINY) as load:
+            load.packed_summary(0)  # blocks 0 and 1: promoted to memory when the load closes
+        assert calls == [[TINY.num_layers] * 2]  # one call, every layer of both blocks (main: 2)
+        calls.clear()
+        with store.open_layers(toks, model=TINY) as load:
+            cold = [load.packed_summary(layer) for layer in range(TINY.num_layers)]
+        assert calls == [[TINY.num_layers] * 2]  # blocks 2 and 3 only: memory holds 0 and 1
+        assert store.stats().counters.get("chunk_misses", 0) == 0
+    for a, b in zip(warm, cold, strict=True):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.low, b.low)
+        np.testing.assert_array_equal(a.step, b.step)
 
 
 def _metas(store: TieredStore, toks: Array) -> list[Any]:

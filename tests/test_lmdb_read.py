@@ -195,11 +195,12 @@ def test_a_read_into_a_warm_range_is_read_only_and_bit_exact(tmp_path: Path) -> 
             time.sleep(0.01)
         reader = MapReader(path, warm)
         try:
-            view = reader._read(2 << 20, 4096)
-            assert view.readonly and bytes(view) == data[4096 : 4096 + (2 << 20)].tobytes()
+            (view,) = reader.read([(4096, 2 << 20)])  # a (file offset, bytes) place
+            assert view is not None and view.readonly
+            assert bytes(view) == data[4096 : 4096 + (2 << 20)].tobytes()
             assert warm.usage().used_bytes == 2 << 20
-            short = reader._read(2 << 20, (3 << 20) - 100)  # past the end of the file: fewer bytes
-            assert bytes(short) == data[-100:].tobytes()
+            (short,) = reader.read([((3 << 20) - 100, 2 << 20)])  # past the end of the file: fewer bytes
+            assert short is not None and bytes(short) == data[-100:].tobytes()
         finally:
             reader.close()
         del view, short

@@ -38,7 +38,7 @@ from kvstore.load.fetch import RecordFetcher
 from kvstore.load.summaries import PackedLayer, join_packed
 from kvstore.model import ModelSpec
 from kvstore.stats import Counters
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import BatchTier, Tier
 
 #: Encodes block `key`'s summaries now if a Store deferred them (no-op otherwise).
 FinishSummaries = Callable[[bytes], object]
@@ -171,17 +171,23 @@ class SummaryReader:
 
         The first request for a block reads every layer's summary from the tier in one call (one
         transaction, adjacent values: the prefill asks for layer 0, then 1, ... within
-        milliseconds); each is handed out once, then dropped. One call per record cost 480 reads
-        for a 4,096-token prefix (issue #27, item 5). A record asked for again (a layer read out of
-        order, then again by the reader thread) is read again on its own: handed out is not absent
-        (taken for absent, it made the load forget a good block).
+        milliseconds), and from the local disk with it those of every later block of the load that
+        memory does not hold (`BatchTier`: LMDB reads their runs in parallel); each is handed out
+        once, then dropped. One call per record cost 480 reads for a 4,096-token prefix (issue #27,
+        item 5). A record asked for again (a layer read out of order, then again by the reader
+        thread) is read again on its own: handed out is not absent (taken for absent, it made the
+        load forget a good block).
         """
         cache_key = (tier.name, meta.key)
         with self._lock:
             records = self._records.get(cache_key)
         if records is None:
-            records = self._read_all(tier, meta)
+            local = isinstance(tier, BatchTier) and tier in self._fetcher.tiers.local_durable
+            read = self._read_batch(tier, meta, layer) if local and isinstance(tier, BatchTier) else {}
+            records = read.get(meta.key) or self._read_all(tier, meta)
             with self._lock:
+                for key, found in read.items():
+                    self._records.setdefault((tier.name, key), found)
                 records = self._records.setdefault(cache_key, records)
         with self._lock:
             data, records[layer] = records[layer], _TAKEN
@@ -189,13 +195,37 @@ class SummaryReader:
             return self._read_all(tier, meta, [layer])[0]
         return data
 
+    def _read_batch(self, tier: BatchTier, meta: BlockMeta, layer: int) -> dict[bytes, list[Any]]:
+        """Every layer's summary records of `meta` and of the load's later blocks that neither memory
+        holds (layer `layer`'s record) nor this reader has read from `tier`, by block key."""
+        keys = [m.key for m in self._metas]
+        memory, later = self._fetcher.tiers.memory, self._metas[keys.index(meta.key) :]
+        with self._lock:
+            unread = [m for m in later if (tier.name, m.key) not in self._records]
+        wanted = []
+        for other in unread:
+            if self._finish is not None and other is not meta:
+                self._finish(other.key)  # a block stored just now: memory holds its summaries then
+            if other is meta or memory.get_chunks(other, [other.record_index(layer)])[0] is None:
+                wanted.append(other)
+        with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
+            got = tier.get_many([(m, [m.record_index(i) for i in range(m.num_layers)]) for m in wanted])
+            return {m.key: _kept(tier.name, found) for m, found in zip(wanted, got, strict=True)}
+        return {}
+
     def _read_all(self, tier: Tier, meta: BlockMeta, layers: Sequence[int] | None = None) -> list[Any]:
         """Summary records `layers` (default all) of `meta` from `tier`, None where it has none."""
         wanted = range(meta.num_layers) if layers is None else layers
         with contextlib.suppress(KVSieveError):  # an unreachable remote tier is a miss here
-            got = tier.get_chunks(meta, [meta.record_index(layer) for layer in wanted])
-            return [None if d is None else bytes(d) for d in got]
+            return _kept(tier.name, tier.get_chunks(meta, [meta.record_index(layer) for layer in wanted]))
         return [None] * len(wanted)
+
+
+def _kept(tier: str, found: Sequence[memoryview | None]) -> list[Any]:
+    """Records as this reader keeps them: memory's copied out (the tier may evict and reuse their
+    bytes), the other tiers' as they are (copies of their own: a disk read, a Redis reply)."""
+    copy = tier == "memory"
+    return [None if d is None else bytes(d) if copy else d for d in found]
 
 
 #: A record `_record` handed out already (read again if asked again).

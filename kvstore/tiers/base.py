@@ -8,7 +8,7 @@ Every method is thread-safe.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvstore.format.block_meta import BlockMeta
 from kvstore.stats import TierUsage
@@ -82,4 +82,16 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Release files and connections. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class BatchTier(Protocol):
+    """A tier that reads records of several blocks in one call (LMDB: in parallel; Redis: one
+    pipeline), as `Tier.get_chunks` does for one block."""
+
+    name: str
+
+    def get_many(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> list[list[memoryview | None]]:
+        """Per (block, indices), its records as `get_chunks` returns them."""
         ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -157,9 +158,7 @@ class LmdbTier:
             for index, data in enumerate(chunks):
                 txn.put(chunk_key(new.key, new.layout_version, index), data, db=self._chunks_db)
             txn.put(new.key, new.to_bytes(), db=self._blocks_db)
-        self._account(
-            new.nbytes - old.nbytes, 0, new.num_chunks - old.num_chunks
-        )  # a migration changes the count
+        self._account(new.nbytes - old.nbytes, 0, new.num_chunks - old.num_chunks)  # a migration: count
 
     def drop_layout(self, old: BlockMeta) -> None:
         """Second half of a re-layout: delete the chunks of the layout `old`. Mutates."""
@@ -183,13 +182,17 @@ class LmdbTier:
         return None if self._reader.warm is None else self._reader.warm.ahead
 
     def get_chunks(self, meta: BlockMeta, indices: Sequence[int]) -> list[memoryview | None]:
-        """The chunks, read through one cursor: a block's chunk keys sort adjacently, so the
-        cursor stays on the same leaf page; each value is located by its node, none of its pages
-        touched (kvstore/tiers/disk/locate.py), and read with pread (kvstore/tiers/disk/pread.py)."""
+        return self.get_many([(meta, indices)])[0]
+
+    def get_many(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> list[list[memoryview | None]]:
+        """Chunks of several blocks through one cursor, each located by its node, no page of it touched
+        (disk/locate.py), all read with pread inside the transaction, runs in parallel (disk/pread.py)."""
+        keys = [chunk_key(m.key, m.layout_version, i) for m, indices in requests for i in indices]
         with self._read_txn(self._chunks_db, buffers=True) as txn:
-            cursor, version = txn.cursor(), meta.layout_version
-            places = [self._nodes.place(txn, cursor, chunk_key(meta.key, version, i)) for i in indices]
-            return self._reader.read(places)  # inside the transaction: no page of it is reused
+            cursor = txn.cursor()
+            found = self._reader.read([self._nodes.place(txn, cursor, key) for key in keys])
+        ends = itertools.accumulate(len(indices) for _, indices in requests)
+        return [found[end - len(indices) : end] for (_, indices), end in zip(requests, ends, strict=True)]
 
     def get_ranges(self, meta: BlockMeta, index: int, ranges: Sequence[Span]) -> list[memoryview] | None:
         """Slices of one value, read with pread inside the read transaction (only those bytes)."""
@@ -271,9 +274,7 @@ class LmdbTier:
             self._used, self._num_blocks, self._num_chunks = self._scan_usage()
 
     def iter_meta(self) -> Iterator[BlockMeta]:
-        for _key, meta in self.iter_meta_raw():
-            if isinstance(meta, BlockMeta):
-                yield meta
+        yield from (meta for _key, meta in self.iter_meta_raw() if isinstance(meta, BlockMeta))
 
     def iter_meta_raw(self) -> Iterator[tuple[bytes, BlockMeta | str]]:
         """Every metadata record as (key, verified meta, or why it failed verification)."""
@@ -301,8 +302,7 @@ class LmdbTier:
         return TierUsage(self._used, self._capacity, self._num_blocks, self._num_chunks)
 
     def data_file(self) -> Path:
-        """The LMDB data file (for cold-cache benchmarks)."""
-        return self._path / DATA_FILE
+        return self._path / DATA_FILE  # for cold-cache benchmarks
 
     def close(self) -> None:
         self._hints.close()  # its transactions end before the environment does
@@ -321,7 +321,7 @@ class LmdbTier:
     def _get_meta_raw(self, key: bytes) -> BlockMeta | None:
         with self._read_txn(self._blocks_db) as txn:
             value = txn.get(key)
-        return None if value is None else _verified(key, value)
+            return None if value is None else _verified(key, value)
 
     def _read_meta_quiet(self, key: bytes) -> BlockMeta | None:
         """The verified metadata of `key`, or None if absent or damaged (about to be replaced)."""

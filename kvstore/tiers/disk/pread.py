@@ -132,11 +132,18 @@ class MapReader:
         if views and mapping is None:  # not a mapping of our file (or no /proc): copy those out
             return [self._copied(item) for item in items]
         spans = [self._file_place(item, mapping) for item in items]
+        runs = _runs([s for s in spans if s is not None])
+        buffers = [self._buffer(end - start) for start, end, _ in runs]
+        wanted = [(start, [buf.data]) for (start, _, _), buf in zip(runs, buffers, strict=True)]
+        # one run (a block's values: a full load's read) in one call on this thread, as the kernel
+        # reads it ahead; several (the summaries of every block of a layer-by-layer load) in parallel
+        done = self.spans.read(wanted) if len(runs) > 1 else [self.spans.read_one(w) for w in wanted]
         reads: dict[tuple[int, int], memoryview] = {}
-        for start, end, members in _runs([s for s in spans if s is not None]):
-            whole = self._read(end - start, start)
-            if len(whole) != end - start:  # the file ends inside the map: copy these out instead
+        for (start, end, members), buf, got in zip(runs, buffers, done, strict=True):
+            if got != end - start:  # the file ends inside the map: copy these out instead
                 return [self._copied(item) for item in items]
+            buf.flags.writeable = False
+            whole = memoryview(buf.data)
             for offset, length in members:
                 reads[(offset, length)] = whole[offset - start : offset - start + length]
         return [None if s is None else reads[s] for s in spans]
@@ -171,16 +178,10 @@ class MapReader:
             )
         return out
 
-    def _read(self, nbytes: int, offset: int) -> memoryview:
-        """`nbytes` of the file from `offset` (fewer at its end), read-only, in a warm range
-        where one is free, else in fresh memory."""
+    def _buffer(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """`nbytes` of memory for a read: a warm range where one is free, else fresh (not zeroed)."""
         buf = self.warm.take(nbytes) if self.warm is not None else None
-        if buf is None:
-            return memoryview(os.pread(self._fd, nbytes, offset))
-        whole = memoryview(buf.data)  # numpy's buffer, typed for os.preadv
-        got = os.preadv(self._fd, [whole], offset)
-        buf.flags.writeable = False
-        return whole.toreadonly()[:got]
+        return np.empty(nbytes, np.uint8) if buf is None else buf
 
     def close(self) -> None:
         """Close the file descriptor. Idempotent."""

@@ -40,51 +40,48 @@ class SpanReads:
         self._lock = threading.Lock()
         self._closed = False
         self._nowait = hasattr(os, "RWF_NOWAIT")
-        #: Spans the page cache did not hold whole, so far (read waiting for the disk).
+        #: Spans the page cache did not hold whole, so far (read, at least in part, from the disk).
         self.uncached = 0
 
     def read(self, spans: Sequence[tuple[int, Sequence[memoryview]]]) -> list[int]:
         """Fill each span's buffers, in order, from its file offset; returns the bytes read of each
-        (fewer than asked only at the file's end). Spans the page cache holds whole are read on the
-        calling thread (`RWF_NOWAIT`: a memcpy, where a pool round costs more than the copy on a
-        busy machine); the rest go to the pool.
+        (fewer than asked only at the file's end). What the page cache holds of each span, from its
+        start, is read on the calling thread (`RWF_NOWAIT`: a memcpy, where a pool round costs more
+        than the copy on a busy machine); the rest of it goes to the pool (never read twice).
 
         Raises:
             OSError: a read failed.
         """
-        done = [0] * len(spans)
-        pending = [i for i, span in enumerate(spans) if not self._cached(span, done, i)]
+        done = [self._cached(span) for span in spans]
+        pending = [i for i, span in enumerate(spans) if done[i] < _size(span)]
         self.uncached += len(pending)
         if len(pending) < INLINE_SPANS:
             for i in pending:
-                done[i] = self._read_one(spans[i])
+                done[i] = self.read_one(spans[i], done[i])
             return done
         # one task per thread, each a share of the spans taken in turn (a pool round per span cost
         # ~15 us of the caller's Python: 2 ms a layer of 100 spans), so every thread has a read in
         # flight until the last few
         groups = min(self._threads, len(pending))
-        shares = [[spans[i] for i in pending[g::groups]] for g in range(groups)]
+        shares = [[(spans[i], done[i]) for i in pending[g::groups]] for g in range(groups)]
         for group, counts in enumerate(self._executor().map(self._read_group, shares)):
             for i, count in zip(pending[group::groups], counts, strict=True):
                 done[i] = count
         return done
 
-    def _cached(self, span: tuple[int, Sequence[memoryview]], done: list[int], i: int) -> bool:
-        """Read `span` into `done[i]` if the page cache holds all of it (never waits for the disk)."""
+    def _cached(self, span: tuple[int, Sequence[memoryview]]) -> int:
+        """The bytes of `span` read from what the page cache holds, from its start (never waits for
+        the disk); the rest is read from where this stopped (`read_one`), not again."""
         if not self._nowait:
-            return False
+            return 0
         offset, buffers = span
         try:
-            got = os.preadv(self._fd, list(buffers), offset, os.RWF_NOWAIT)
+            return max(os.preadv(self._fd, list(buffers), offset, os.RWF_NOWAIT), 0)
         except BlockingIOError:
-            return False
+            return 0
         except OSError:  # RWF_NOWAIT unsupported here (an old kernel, some file systems)
             self._nowait = False
-            return False
-        if got < sum(b.nbytes for b in buffers):
-            return False  # partly cached: the pool reads it all again
-        done[i] = got
-        return True
+            return 0
 
     def close(self) -> None:
         """End the pool (reads under way finish first). Idempotent."""
@@ -102,20 +99,24 @@ class SpanReads:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvsieve-span-read")
             return self._pool
 
-    def _read_group(self, spans: Sequence[tuple[int, Sequence[memoryview]]]) -> list[int]:
-        return [self._read_one(span) for span in spans]
+    def _read_group(self, spans: Sequence[tuple[tuple[int, Sequence[memoryview]], int]]) -> list[int]:
+        return [self.read_one(span, skip) for span, skip in spans]
 
-    def _read_one(self, span: tuple[int, Sequence[memoryview]]) -> int:
+    def read_one(self, span: tuple[int, Sequence[memoryview]], done: int = 0) -> int:
+        """Read `span` from its byte `done` on (those before it are read), on this thread, waiting for
+        the disk; the bytes read of it (fewer than asked only at the file's end)."""
         offset, buffers = span
-        wanted = sum(b.nbytes for b in buffers)
-        done = os.preadv(self._fd, list(buffers), offset)
-        while 0 < done < wanted:  # a short read mid-file (a signal): the rest, from where it stopped
-            rest = _after(buffers, done)
-            more = os.preadv(self._fd, rest, offset + done)
+        wanted = _size(span)
+        while done < wanted:  # a short read mid-file (a signal): the rest, from where it stopped
+            more = os.preadv(self._fd, _after(buffers, done) if done else list(buffers), offset + done)
             if more <= 0:
                 break
             done += more
         return done
+
+
+def _size(span: tuple[int, Sequence[memoryview]]) -> int:
+    return sum(b.nbytes for b in span[1])
 
 
 def _after(buffers: Sequence[memoryview], skip: int) -> list[memoryview]:

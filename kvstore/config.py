@@ -15,6 +15,8 @@ CODECS = ("raw", "shuffle-zstd")
 LMDB_DATA_FILE = "data.mdb"
 #: Block layouts a store can write (kvstore.format.block_meta.BlockMeta.layout records which one a block has).
 LAYOUTS = ("importance", "layered")
+#: What reads a layer-by-layer load's scattered spans from disk (kvstore/tiers/disk/spans.py).
+DISK_READERS = ("threads", "io_uring")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,11 @@ class StoreConfig:
             start where the memory tier has an arena (`host_arena`), else from `kvsieve serve`'s;
             where the arena is page-locked (CUDA), at least 1 GiB. 0: reads land in fresh memory,
             and an arena grows on the thread that needs room, as before.
+        disk_reader: what reads the many scattered spans of a layer-by-layer load from disk:
+            "threads" (a pool of 8 threads of preadv) or "io_uring" (one ring, 128 reads in flight;
+            refused where the liburing package or the kernel gives none). Measured against each
+            other on this project's CPU machine (docs/performance.md, "Readers"), neither wins
+            everywhere: try both on yours.
     """
 
     data_dir: Path | None = None
@@ -113,6 +120,7 @@ class StoreConfig:
     disk_backlog_bytes: int = 256 << 20
     backlog_wait_s: float = 5.0
     warm_read_ahead_bytes: int = 128 << 20
+    disk_reader: str = "threads"
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 4096:
@@ -139,6 +147,10 @@ class StoreConfig:
         w = self.warm_read_ahead_bytes
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise InvalidInputError(f"warm_read_ahead_bytes must be an integer >= 0, got {w!r}")
+        if self.disk_reader not in DISK_READERS:
+            raise InvalidInputError(
+                f"disk_reader must be one of {', '.join(DISK_READERS)}, got {self.disk_reader!r}"
+            )
         self._check_layout()
         self._check_write_behind()
         self._check_remote()

@@ -68,6 +68,10 @@ class TieredStore:
         keep_large_buffers()  # chunk buffers are reused, not faulted in afresh per load
         self.counters = Counters()
         self._lock = None
+        if self.config.lmdb_dir is not None:  # a reader that cannot be had, refused before anything opens
+            from kvstore.tiers.disk.spans import check_reader
+
+            check_reader(self.config.disk_reader)
         if self.config.data_dir is not None:
             self._lock = DataDirLock(
                 self.config.data_dir, exclusive=False, purpose="opening a store"
@@ -85,6 +89,7 @@ class TieredStore:
                     # what cold loads read, the memory tier keeps: as much warm memory as it holds
                     warm_read_bytes=self._warm_read_bytes(),
                     warm_ahead=self.arena_ahead,
+                    disk_reader=self.config.disk_reader,
                 )
             )
         memory = MemoryTier(

@@ -56,6 +56,7 @@ class LmdbTier:
         initial_map_bytes: int = _UNBOUNDED_MAP_BYTES,
         warm_read_bytes: int = 0,
         warm_ahead: SegmentsAhead | None = None,
+        disk_reader: str = "threads",
     ) -> None:
         """Open (or create) the environment under `path`.
 
@@ -65,6 +66,7 @@ class LmdbTier:
             warm_read_bytes: memory made ahead of need that reads of a block's values land in
                 (kvstore/tiers/disk/pread.py `WarmRanges`: the memory tier keeps what it promotes
                 there; `warm_ahead`'s arena if given, the memory tier's); 0: fresh memory.
+            disk_reader: what reads many values at once (StoreConfig.disk_reader; TieredStore checks it).
         """
         self._path = Path(path)
         self._initial_map = initial_map_bytes
@@ -83,7 +85,7 @@ class LmdbTier:
         self._file_id = (st.st_dev, st.st_ino)
         self._hints = JobThread(f"kvsieve-readahead-{self._path.name}")
         warm = WarmRanges(warm_read_bytes, ahead=warm_ahead) if warm_read_bytes > 0 else None
-        self._reader = MapReader(self.data_file(), warm)
+        self._reader = MapReader(self.data_file(), warm, disk_reader)
         self._nodes = NodeLocator(self._env.stat()["psize"], self._reader.file_span)
 
     def _open_env(self) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
@@ -115,8 +117,7 @@ class LmdbTier:
 
     @property
     def path(self) -> Path:
-        """Directory of the LMDB environment."""
-        return self._path
+        return self._path  # the directory of the LMDB environment
 
     def put_block(self, meta: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         self.put_blocks([(meta, chunks)])
@@ -232,9 +233,8 @@ class LmdbTier:
         self._hints.submit(functools.partial(self._reader.will_need, list(spans)))
 
     def prefetch(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> None:
-        """Have the kernel read these blocks' chunks in the background, so a load's disk reads
-        overlap the verification and copies of the chunks before them. Returns at once: the
-        hint thread locates the values and calls posix_fadvise. Errors are left to the reads."""
+        """Have the kernel read these blocks' chunks in the background (a load's disk reads overlap the
+        checks and copies of those before them); at once: the hint thread locates and advises them."""
         wanted = [(m.key, m.layout_version, min(units), m.nbytes) for m, units in requests if units]
         self._hints.submit(lambda: self._hint(wanted))
 

@@ -73,15 +73,20 @@ class MapReader:
     Args:
         path: the LMDB data file the environment maps.
         warm: where reads of runs of at least `WarmRanges.MIN_BYTES` land (None: fresh memory).
+        reader: what reads many spans at once: "threads" or "io_uring" (disk/spans.py).
     """
 
-    def __init__(self, path: Path, warm: WarmRanges | None = None) -> None:
+    def __init__(self, path: Path, warm: WarmRanges | None = None, reader: str = "threads") -> None:
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._inode = os.fstat(self._fd).st_ino
         self._mapping: _Mapping | None = None
         self.warm = warm
         #: Reads of many spans of the file at once (a layer of a query-aware load).
-        self.spans = SpanReads(self._fd)
+        try:
+            self.spans = SpanReads(self._fd, reader=reader)
+        except ValueError:
+            os.close(self._fd)
+            raise
 
     def file_span(self, first: Any, nbytes: int) -> tuple[int, int] | None:
         """(offset, nbytes) of the data file from where value `first` lies, or None when the

@@ -85,9 +85,9 @@ class StoreConfig:
             and an arena grows on the thread that needs room, as before.
         disk_reader: what reads the many scattered spans of a layer-by-layer load from disk:
             "threads" (a pool of 8 threads of preadv) or "io_uring" (one ring, 128 reads in flight;
-            refused where the liburing package or the kernel gives none). Measured against each
-            other on this project's CPU machine (docs/performance.md, "Readers"), neither wins
-            everywhere: try both on yours.
+            needs `pip install 'kvsieve[uring]'` and a kernel that allows io_uring, else refused).
+            Measured against each other on this project's CPU machine (docs/performance.md,
+            "Readers"), neither wins everywhere: try both on yours.
     """
 
     data_dir: Path | None = None

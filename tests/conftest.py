@@ -141,7 +141,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 #: Extras of pyproject.toml that some tests need, with the modules that tell they are installed.
-EXTRAS = {"events": ("zmq", "msgspec"), "bench": ("matplotlib",)}
+EXTRAS = {"events": ("zmq", "msgspec"), "bench": ("matplotlib",), "uring": ("liburing",)}
 
 
 def extra_installed(extra: str) -> bool:

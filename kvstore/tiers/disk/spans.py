@@ -44,8 +44,8 @@ def check_reader(reader: str, ring_refused: bool = False) -> None:
         raise InvalidInputError(f"disk reader must be one of {', '.join(READERS)}, got {reader!r}")
     if reader == "io_uring" and (ring_refused or not uring.ring_available()):
         raise InvalidInputError(
-            "disk reader io_uring: no ring can be had here (the liburing package is missing, or the "
-            "kernel refuses io_uring); use auto or threads"
+            "disk reader io_uring: no ring can be had here (the liburing package is missing: pip install "
+            "'kvsieve[uring]', x86-64 Linux only; or the kernel refuses io_uring); use threads"
         )
 
 

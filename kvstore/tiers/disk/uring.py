@@ -21,6 +21,7 @@ buffer afterwards), a short read is finished by the caller from where it stopped
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import threading
 from collections.abc import Sequence
@@ -80,7 +81,11 @@ class UringReads:
                 liburing.io_uring_prep_readv(sqe, self._fd, vectors[-1], offset)
                 liburing.io_uring_sqe_set_data64(sqe, queued)
                 queued, in_flight = queued + 1, in_flight + 1
-            liburing.io_uring_submit_and_wait(ring, 1)
+            try:
+                liburing.io_uring_submit_and_wait(ring, 1)
+            except OSError as exc:  # a signal, or the kernel short of room for a moment: again
+                if exc.errno not in (errno.EINTR, errno.EAGAIN, errno.EBUSY):
+                    raise
             while liburing.io_uring_cq_ready(ring):
                 in_flight -= 1
                 try:  # the binding raises for a read that failed: its entry is skipped then

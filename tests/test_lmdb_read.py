@@ -256,3 +256,34 @@ def test_big_values_are_located_by_their_nodes_without_touching_them(tmp_path: P
         with store.load(tokens, model=WIDE) as stream:
             np.testing.assert_array_equal(_ordered(stream), kv)
         assert store.durable[0]._nodes.agrees is True  # type: ignore[attr-defined]
+
+
+def test_several_blocks_values_are_read_ahead_a_block_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Locating a block's 32 summaries faulted in each one's first page, one random 4 KiB read each
+    (2,048 at 16k tokens of an 8B shape): `get_many` of several blocks now has the kernel read each
+    block's run of values at once, from its first value's place, and the run covers all of them."""
+    model = ModelSpec("test-summaries", num_layers=4, num_kv_heads=8, head_dim=128)  # 64 KiB summaries
+    config = StoreConfig(data_dir=tmp_path / "data", block_tokens=256, memory_bytes=256 << 20)
+    tokens, kv = make_tokens(1024), make_kv(model, 1024)
+    with TieredStore(config) as store:
+        store.store(tokens, kv, model=model)
+    with TieredStore(config) as store:
+        disk = store.durable[0]
+        metas = [
+            n.payload for n in store.index.match(store._root(model, "default"), tokens, touch=False).nodes
+        ]
+        hinted: list[tuple[int, int]] = []
+        monkeypatch.setattr(disk._reader, "will_need", hinted.extend)  # type: ignore[attr-defined]
+        requests = [(m, [m.record_index(layer) for layer in range(model.num_layers)]) for m in metas]
+        got = disk.get_many(requests)  # type: ignore[attr-defined]
+        runs = list(hinted)
+        assert len(runs) == len(metas) == 4  # one run a block
+        for (meta, indices), (start, nbytes), values in zip(requests, runs, got, strict=True):
+            for offset, size in disk.value_spans([(meta, i) for i in indices]):  # type: ignore[attr-defined]
+                assert start <= offset and offset + size <= start + nbytes  # the run covers every value
+            assert [bytes(v) for v in values] == [bytes(v) for v in disk.get_chunks(meta, indices)]
+        hinted.clear()
+        disk.get_many(requests[:1])  # type: ignore[attr-defined]
+        assert hinted == []  # one block: a load's own reads ahead cover it

@@ -151,10 +151,9 @@ class LmdbTier:
     def write_layout(self, old: BlockMeta, new: BlockMeta, chunks: Sequence[bytes | memoryview]) -> None:
         """First half of a re-layout: write the new chunks and switch the metadata. Mutates.
 
-        One transaction. The old layout's chunks stay until `drop_layout`; a process
-        killed in between leaves them as stale chunks that fsck reports and the next
-        re-layout sweeps, never a block whose metadata points at missing chunks.
-        """
+        One transaction. The old layout's chunks stay until `drop_layout`; a process killed in
+        between leaves them as stale chunks that fsck reports and the next re-layout sweeps, never
+        a block whose metadata points at missing chunks."""
         with self._write_lock, self._write_txn() as txn:
             for index, data in enumerate(chunks):
                 txn.put(chunk_key(new.key, new.layout_version, index), data, db=self._chunks_db)
@@ -186,12 +185,13 @@ class LmdbTier:
         return self.get_many([(meta, indices)])[0]
 
     def get_many(self, requests: Sequence[tuple[BlockMeta, Sequence[int]]]) -> list[list[memoryview | None]]:
-        """Chunks of several blocks through one cursor, each located by its node, no page of it touched
-        (disk/locate.py), all read with pread inside the transaction, runs in parallel (disk/pread.py)."""
-        keys = [chunk_key(m.key, m.layout_version, i) for m, indices in requests for i in indices]
+        """Chunks of several blocks through one cursor, each located by its node (disk/locate.py), all
+        read with pread inside the transaction, runs in parallel (disk/pread.py)."""
+        runs = [[chunk_key(m.key, m.layout_version, i) for i in indices] for m, indices in requests]
         with self._read_txn(self._chunks_db, buffers=True) as txn:
             cursor = txn.cursor()
-            found = self._reader.read([self._nodes.place(txn, cursor, key) for key in keys])
+            self._reader.will_need(self._nodes.runs_ahead(txn, cursor, runs))  # each block's, at once
+            found = self._reader.read([self._nodes.place(txn, cursor, key) for run in runs for key in run])
         ends = itertools.accumulate(len(indices) for _, indices in requests)
         return [found[end - len(indices) : end] for (_, indices), end in zip(requests, ends, strict=True)]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,8 @@ F_BIGDATA = 0x01
 PAGE_HEADER = 16  # bytes before an overflow page's data (mdb.c `PAGEHDRSZ`, 64-bit builds)
 #: The check reads a value this large at most (a block's summary; never a 32 MiB pack).
 CHECK_BYTES = 1 << 20
+#: `runs_ahead` has the kernel read at most this much of one run.
+RUN_AHEAD_BYTES = 16 << 20
 
 
 def node_span(key: Any, page_size: int) -> tuple[int, int] | None:
@@ -73,6 +75,22 @@ class NodeLocator:
             self._check(txn, cursor if big[1] <= CHECK_BYTES else None)
         span = node_span(cursor.key(), self.page_size) if self.agrees else None
         return span if span is not None else cursor.value()
+
+    def runs_ahead(self, txn: Any, cursor: Any, runs: Sequence[Sequence[bytes]]) -> list[tuple[int, int]]:
+        """(file offset, bytes) from each run's first value over as many pages as its values would
+        take were they all that value's size and adjacent (a block's summaries: one transaction wrote
+        them in order), for the kernel to read at once: locating the other values faults in each
+        one's first page otherwise, one random 4 KiB read each (2,048 of them, 0.13 s, at 16k tokens
+        of an 8B shape cold). Only the first value of each run is located; runs of one value, and a
+        single run (a load's own reads ahead cover it), are skipped."""
+        spans = []
+        for keys in runs if len(runs) > 1 else ():
+            first = self.place(txn, cursor, keys[0]) if len(keys) > 1 else None
+            if isinstance(first, tuple):
+                pages = -(-(first[1] + PAGE_HEADER) // self.page_size)
+                nbytes = min(pages * self.page_size * len(keys), RUN_AHEAD_BYTES)
+                spans.append((first[0] - PAGE_HEADER, nbytes))
+        return spans
 
     def _check(self, txn: Any, cursor: Any | None) -> None:
         """Compare the node's place of one big value of at most `CHECK_BYTES` (the one under

@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -20,6 +20,9 @@ from bench.common.sidecar import Sidecar
 from kvstore.config import StoreConfig
 from kvstore.model import ModelSpec
 from kvstore.store.tiered import TieredStore
+
+if TYPE_CHECKING:
+    from engine_adapter.runner.costs import CostModel
 
 TINY = ModelSpec("test-tiny", num_layers=2, num_kv_heads=2, head_dim=4)
 #: The default model's weights are random here: the GPU kit (../shared/device/on-device.sh) sets it,
@@ -244,3 +247,15 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     yield mount
     for point in mounted:
         subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
+
+
+def measured_costs(disk_gb_s: float, tokens_s: float) -> CostModel:
+    """A cost model (engine_adapter/runner/costs.py) that measured a disk of `disk_gb_s` GB/s and a
+    prefill of `tokens_s` tokens/s: rates another device, or another model, showed."""
+    from engine_adapter.runner.costs import CostModel
+
+    costs = CostModel()
+    costs.observe_read("disk", int(disk_gb_s * 1e9), 1.0)
+    for n in (1024, 2048, 4096):
+        costs.observe_prefill(n, 0, n / tokens_s)
+    return costs

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+from conftest import measured_costs
 
 from engine_adapter.runner.choice import EXPLORE_REQUESTS, TOLERANCE, choose
 from engine_adapter.runner.costs import CostModel, Rates
@@ -68,15 +69,6 @@ H200_SMOL = World(4.5e-6, 0.0, 0.9e9, 30e9, _fixed(0.25, 0.45, 0.04))
 TOKEN_BYTES = {"8b": 128 << 10, "smol": 23040}
 
 
-def _trained(disk_gb_s: float, tokens_s: float) -> CostModel:
-    """A cost model fed rates another device showed: a disk of `disk_gb_s`, a prefill of `tokens_s`."""
-    costs = CostModel()
-    costs.observe_read("disk", int(disk_gb_s * 1e9), 1.0)
-    for n in (1024, 2048, 4096):
-        costs.observe_prefill(n, 0, n / tokens_s)
-    return costs
-
-
 def serve(costs: CostModel, world: World, request: Request) -> tuple[Option, float]:
     """One request as the engine serves it: choose, run (in `world`), observe what the engine
     observes (the question's prefill, a split's head, a mostly-disk read, a recompute), record."""
@@ -100,9 +92,9 @@ def serve(costs: CostModel, world: World, request: Request) -> tuple[Option, flo
 
 MODELS = {
     "priors": CostModel,
-    "rates of another model (8B on SmolLM2)": lambda: _trained(1.7, 32_000),
-    "disk 100x too fast, prefill 30x too fast": lambda: _trained(100.0, 1e6),
-    "disk 20x too slow, prefill 60x too slow": lambda: _trained(0.05, 500),
+    "rates of another model (8B on SmolLM2)": lambda: measured_costs(1.7, 32_000),
+    "disk 100x too fast, prefill 30x too fast": lambda: measured_costs(100.0, 1e6),
+    "disk 20x too slow, prefill 60x too slow": lambda: measured_costs(0.05, 500),
 }
 
 
@@ -138,7 +130,7 @@ def _measured(costs: CostModel, request: Request, runs: dict[Option, float]) -> 
 
 def test_a_plan_measured_more_than_5_percent_slower_never_runs_again() -> None:
     # The rates say a split is the fastest (issue 47's 8B 4k cold: it took 2.6x a recompute).
-    costs = _trained(1.7, 32_000)
+    costs = measured_costs(1.7, 32_000)
     request = Request(4096 + 64, 4096, 0.0, TOKEN_BYTES["8b"], BLOCK)
     first = choose(costs, request)
     assert first.kind == SPLIT and not first.measured  # nothing measured here: the estimate tries it
@@ -149,7 +141,7 @@ def test_a_plan_measured_more_than_5_percent_slower_never_runs_again() -> None:
         costs.record(plan.option, request, 0.131)
         costs.observe_read("disk", int(100e9), 1.0)  # the rates go on lying: a disk ever faster
     # Just past the tolerance: the best measured stays, whatever the estimate of the other says.
-    fresh = _trained(1.7, 32_000)
+    fresh = measured_costs(1.7, 32_000)
     for option, seconds in ((Option(RECOMPUTE), 1.0), (first.option, 1.06), (Option(FULL), 2.0)):
         fresh.log.record(request.key(option), request.prompt_tokens, seconds)
     assert (fresh.estimate_s(first.option, request) or 1.0) < 0.5  # estimated twice as fast
@@ -182,7 +174,7 @@ def test_one_slow_run_does_not_condemn_a_plan_that_runs_again() -> None:
 
 
 def test_fixed_costs_are_learned_per_kind_and_reach_other_lengths() -> None:
-    costs = _trained(1.7, 32_000)
+    costs = measured_costs(1.7, 32_000)
     short = Request(4096 + 64, 4096, 0.0, TOKEN_BYTES["8b"], BLOCK)
     long = Request(16384 + 64, 16384, 0.0, TOKEN_BYTES["8b"], BLOCK)
     split = Option(SPLIT, 12)
@@ -212,7 +204,7 @@ def test_until_anything_is_measured_the_whole_prefix_is_loaded_and_the_disk_rate
 
 
 def test_choosing_fits_the_prefill_once_per_new_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    costs = _trained(1.7, 32_000)
+    costs = measured_costs(1.7, 32_000)
     fits = []
     solve = costs._least_squares
     monkeypatch.setattr(costs, "_least_squares", lambda: fits.append(1) or solve())

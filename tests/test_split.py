@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import measured_costs
 
 from engine_adapter.runner.choice import choose
 from engine_adapter.runner.costs import CostModel, Rates
@@ -24,27 +25,18 @@ TOKEN_BYTES = 128 << 10  # an 8B model's KV per token
 BLOCK = 256
 
 
-def _gpu_like(disk_gb_s: float, tokens_s: float) -> CostModel:
-    """A cost model that measured a disk of `disk_gb_s` and a prefill of `tokens_s`."""
-    costs = CostModel()
-    costs.observe_read("disk", int(disk_gb_s * 1e9), 1.0)
-    for n in (1024, 2048, 4096):
-        costs.observe_prefill(n, 0, n / tokens_s)
-    return costs
-
-
 def _at(prefix: int, memory_fraction: float, query_aware: float | None = None) -> Request:
     """A request of `prefix` cached tokens (8B-shaped KV) and a 64-token question."""
     return Request(prefix + 64, prefix, memory_fraction, TOKEN_BYTES, BLOCK, query_aware=query_aware)
 
 
 def test_a_fast_disk_loads_everything() -> None:
-    plan = choose(_gpu_like(200.0, 32_000), _at(4096, memory_fraction=0.0))
+    plan = choose(measured_costs(200.0, 32_000), _at(4096, memory_fraction=0.0))
     assert plan.kind == "full" and plan.load_tokens == 4096 and "full" in plan.reason
 
 
 def test_a_slow_disk_computes_the_head_while_the_tail_loads() -> None:
-    costs = _gpu_like(1.7, 32_000)  # the H200 machine's disk against an 8B model in fp16
+    costs = measured_costs(1.7, 32_000)  # the H200 machine's disk against an 8B model in fp16
     plan = choose(costs, _at(4096, memory_fraction=0.0))
     assert plan.kind == "split" and plan.compute_tokens % BLOCK == 0 and 0 < plan.load_tokens < 4096
     assert plan.estimate_s < min(plan.recompute_s, plan.full_s)
@@ -56,9 +48,9 @@ def test_a_slow_disk_computes_the_head_while_the_tail_loads() -> None:
 
 
 def test_memory_makes_loading_win_and_a_very_fast_device_recomputes() -> None:
-    warm = choose(_gpu_like(1.7, 32_000), _at(4096, memory_fraction=1.0))
+    warm = choose(measured_costs(1.7, 32_000), _at(4096, memory_fraction=1.0))
     assert warm.kind == "full"
-    fast = choose(_gpu_like(0.05, 10_000_000), _at(4096, memory_fraction=0.0))
+    fast = choose(measured_costs(0.05, 10_000_000), _at(4096, memory_fraction=0.0))
     assert fast.kind == "recompute" and fast.compute_tokens == 4096
 
 
@@ -88,7 +80,7 @@ def test_the_split_gives_the_full_loads_answer(tmp_path: Path, forced: str) -> N
         Engine(lm, store, collect_stats=False).prefill(ids)  # computes and stores 8 blocks
     with TieredStore(config) as store:  # memory empty: the prefix is on disk
         full = Engine(lm, store, collect_stats=False, transfer=KVTransfer(torch.device("cpu"), staging=True))
-        full.costs = _gpu_like(1000.0, 1.0)  # loading wins
+        full.costs = measured_costs(1000.0, 1.0)  # loading wins
         expected = full.prefill(ids)
         assert (
             full.last_split is not None and full.last_split.kind == "full" and expected.loaded_tokens == 256
@@ -97,7 +89,7 @@ def test_the_split_gives_the_full_loads_answer(tmp_path: Path, forced: str) -> N
         engine = Engine(
             lm, store, collect_stats=False, transfer=KVTransfer(torch.device("cpu"), staging=True)
         )
-        engine.costs = _gpu_like(0.001, 1000) if forced == "split" else _gpu_like(1e-6, 1e9)
+        engine.costs = measured_costs(0.001, 1000) if forced == "split" else measured_costs(1e-6, 1e9)
         got = engine.prefill(ids)
     plan = engine.last_split
     assert plan is not None and plan.kind == forced
@@ -109,12 +101,12 @@ def test_the_split_gives_the_full_loads_answer(tmp_path: Path, forced: str) -> N
 
 
 def test_query_aware_is_chosen_on_a_device_only_where_it_was_measured_faster() -> None:
-    costs = _gpu_like(1.7, 32_000)
+    costs = measured_costs(1.7, 32_000)
     request = _at(16384, memory_fraction=1.0, query_aware=0.25)
     assert choose(costs, request).kind == "full"  # never measured: a full load (exact) it is
     costs.observe_layered(16384, 2.33)  # what the H200 measured at 16k, 8B shape
     assert choose(costs, request).kind == "full"
-    fast = _gpu_like(1.7, 32_000)
+    fast = measured_costs(1.7, 32_000)
     fast.observe_layered(16384, 0.01)
     plan = choose(fast, request)
     assert plan.kind == "query-aware" and plan.option.budget == 0.25 and plan.load_tokens == 16384
@@ -135,7 +127,7 @@ def test_a_corrupt_tail_block_is_computed_instead(tmp_path: Path) -> None:
         engine = Engine(
             lm, store, collect_stats=False, transfer=KVTransfer(torch.device("cpu"), staging=True)
         )
-        engine.costs = _gpu_like(0.001, 1000)
+        engine.costs = measured_costs(0.001, 1000)
         got = engine.prefill(ids)
         assert engine.last_split is not None and engine.last_split.kind == "split"
         assert got.loaded_tokens == engine.last_split.load_tokens - 32  # all of the tail but that block

@@ -182,8 +182,8 @@ class SummaryReader:
         with self._lock:
             records = self._records.get(cache_key)
         if records is None:
-            local = isinstance(tier, BatchTier) and tier in self._fetcher.tiers.local_durable
-            read = self._read_batch(tier, meta, layer) if local and isinstance(tier, BatchTier) else {}
+            local = tier in self._fetcher.tiers.local_durable
+            read = self._read_batch(tier, meta, layer) if isinstance(tier, BatchTier) and local else {}
             records = read.get(meta.key) or self._read_all(tier, meta)
             with self._lock:
                 for key, found in read.items():

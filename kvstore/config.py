@@ -86,8 +86,8 @@ class StoreConfig:
         disk_reader: what reads the many scattered spans of a layer-by-layer load from disk:
             "threads" (a pool of 8 threads of preadv) or "io_uring" (one ring, 128 reads in flight;
             needs `pip install 'kvsieve[uring]'` and a kernel that allows io_uring, else refused).
-            Measured against each other on this project's CPU machine (docs/performance.md,
-            "Readers"), neither wins everywhere: try both on yours.
+            Measured against each other on this project's CPU machine (docs/performance.md, issue
+            46's second round), neither wins everywhere: try both on yours.
     """
 
     data_dir: Path | None = None

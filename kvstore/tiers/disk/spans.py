@@ -8,7 +8,7 @@ chunks after it in one vectored read), so the disk sees a queue deep enough to s
 on a pool of `threads` (it lets go of the GIL), or an io_uring ring with up to 128 in flight
 (kvstore/tiers/disk/uring.py, `StoreConfig.disk_reader`). What the page cache holds is copied on the
 calling thread first, without waiting (`RWF_NOWAIT`). The readers were measured against each other
-(docs/performance.md, "Readers"): on the same cold random 32 KiB spans the ring read 1.7x faster
+(docs/performance.md, issue 46's second round): on the same cold random 32 KiB spans the ring read 1.7x faster
 than 8 threads here, but a real layer-by-layer load at 16k tokens ran 10-15 % slower through it
 (13 % faster at 4k), so the pool stays the default; KvikIO needs libcuda even for host memory.
 """

@@ -4,7 +4,7 @@ A layer-by-layer load reads, per layer, tens to hundreds of runs of 32-64 KiB sc
 data file (kvstore/tiers/disk/spans.py). A disk serves such reads faster the more of them it has
 in flight, and a pool of threads keeps only as many in flight as it has threads, each costing a
 thread switch per read. A ring keeps up to `DEPTH` in flight from one thread. Measured here, cold,
-random offsets of a 1 GiB file, the same spans (docs/performance.md, "Readers"): 32 KiB reads at
+random offsets of a 1 GiB file, the same spans (docs/performance.md, issue 46's second round): 32 KiB reads at
 677 MB/s with 8 threads of `preadv`, 795 with 32, 790 through a ring at depth 32, 1,161 at 128;
 128 KiB reads at 1.07-1.19 GB/s all. A real layer-by-layer load, alternated in one process, was
 13 % faster through the ring at 4k tokens and 10-15 % slower at 16k: the pool stays the default
